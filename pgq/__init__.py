@@ -1,0 +1,41 @@
+"""pgq: a PostgreSQL message queue whose consumer groups share a circuit breaker.
+
+When a downstream dependency dies, the group stops together, probes with real
+traffic through one elected prober, and on recovery refunds what the outage
+did to its messages. See DESIGN and the README for the whole story.
+"""
+
+from __future__ import annotations
+
+from pgq.connect import connect
+from pgq.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    PermanentError,
+    PgqError,
+    RetryLater,
+    SystemicError,
+    UnknownGroup,
+    UnknownTopic,
+    UsageError,
+)
+from pgq.migrations import migrate
+from pgq.topics import create_topic, publish, publish_many, subscribe
+
+__all__ = [
+    "ConfigError",
+    "DatabaseUnavailable",
+    "PermanentError",
+    "PgqError",
+    "RetryLater",
+    "SystemicError",
+    "UnknownGroup",
+    "UnknownTopic",
+    "UsageError",
+    "connect",
+    "create_topic",
+    "migrate",
+    "publish",
+    "publish_many",
+    "subscribe",
+]

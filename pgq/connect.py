@@ -1,0 +1,106 @@
+"""Where PostgreSQL comes from: `pgq.connect()`.
+
+Resolution order: the `dsn` argument (the CLI's `--dsn`), then `$PGQ_DSN`, then
+the embedded server under `$PGQ_HOME` (started on first use and reused). The
+schema is the `schema` argument, then `$PGQ_SCHEMA`, then `pgq`; it is applied
+through SQLAlchemy's `schema_translate_map`, so every statement pgq builds runs
+against the chosen schema.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import psycopg
+from sqlalchemy import Connection, Engine, create_engine
+
+from pgq.errors import BadDsn, ConfigError
+from pgq.schema import SCHEMA_PLACEHOLDER
+
+DEFAULT_SCHEMA = "pgq"
+_SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def resolve_dsn(dsn: str | None = None) -> str:
+    """The libpq connection string to use: `dsn`, `$PGQ_DSN`, else the embedded server."""
+    if dsn:
+        return dsn
+    env = os.environ.get("PGQ_DSN")
+    if env:
+        return env
+    from pgq import embedded
+
+    return embedded.ensure_running()
+
+
+def resolve_schema(schema: str | None = None) -> str:
+    """The schema name to use: `schema`, `$PGQ_SCHEMA`, else `pgq` (validated)."""
+    name = schema or os.environ.get("PGQ_SCHEMA") or DEFAULT_SCHEMA
+    if not _SCHEMA_RE.match(name):
+        raise ConfigError(
+            f"invalid schema name {name!r}: use lower-case letters, digits and _ (max 63)"
+        )
+    return name
+
+
+def check_dsn(dsn: str) -> None:
+    """Raise `BadDsn` with one line if `dsn` is not a libpq URL or key=value string."""
+    try:
+        psycopg.conninfo.conninfo_to_dict(dsn)
+    except psycopg.ProgrammingError as exc:
+        raise BadDsn(f"invalid database address: {first_line(exc)}") from None
+
+
+def connect(
+    dsn: str | None = None,
+    *,
+    schema: str | None = None,
+    pool_size: int = 10,
+    **engine_kwargs: Any,
+) -> Engine:
+    """Return a SQLAlchemy `Engine` for pgq.
+
+    `dsn` is a libpq URL (`postgresql://user@host/db`) or key=value string
+    (`host=... dbname=...`). Without it, `$PGQ_DSN` is used, else the embedded
+    server under `$PGQ_HOME` is started (or reused). No connection is opened
+    here; the first statement opens one.
+    """
+    conninfo = resolve_dsn(dsn)
+    check_dsn(conninfo)
+    name = resolve_schema(schema)
+    engine = create_engine(
+        "postgresql+psycopg://",
+        connect_args=psycopg.conninfo.conninfo_to_dict(conninfo),
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        **engine_kwargs,
+    )
+    return engine.execution_options(
+        schema_translate_map={SCHEMA_PLACEHOLDER: name}, pgq_conninfo=conninfo
+    )
+
+
+def schema_of(bind: Engine | Connection) -> str:
+    """The schema name an engine or connection was set up for."""
+    options = bind.get_execution_options()
+    translate = options.get("schema_translate_map") or {}
+    return str(translate.get(SCHEMA_PLACEHOLDER, DEFAULT_SCHEMA))
+
+
+def conninfo_of(engine: Engine) -> str:
+    """The libpq connection string behind an engine made by `connect`."""
+    conninfo = engine.get_execution_options().get("pgq_conninfo")
+    if conninfo:
+        return str(conninfo)
+    return engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's text (driver errors are multi-line)."""
+    for line in str(exc).splitlines():
+        if line.strip():
+            return line.strip()
+    return type(exc).__name__

@@ -1,0 +1,90 @@
+"""One exception tree for pgq.
+
+`PgqError` subclasses carry their default message as their docstring. The
+user-facing ones (`UsageError` and below) are what the CLI turns into one line
+on stderr and exit code 2. `SystemicError`, `PermanentError` and `RetryLater`
+are raised by handlers to tell the consumer what a failure means.
+"""
+
+from __future__ import annotations
+
+
+class PgqError(Exception):
+    """pgq failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class UsageError(PgqError):
+    """Bad input: the command or call cannot be carried out as given."""
+
+
+class ConfigError(UsageError):
+    """The configuration is invalid."""
+
+
+class InvalidName(UsageError):
+    """Invalid topic or group name."""
+
+
+class UnknownTopic(UsageError):
+    """No such topic."""
+
+
+class UnknownGroup(UsageError):
+    """No such consumer group."""
+
+
+class InvalidPayload(UsageError):
+    """The message payload is not valid JSON."""
+
+
+class HandlerImportError(UsageError):
+    """The handler cannot be imported."""
+
+
+class DuplicateMember(UsageError):
+    """A live member with this name is already running in the group."""
+
+
+class DatabaseUnavailable(PgqError):
+    """Cannot reach the database."""
+
+
+class BadDsn(UsageError, DatabaseUnavailable):
+    """The database address is invalid or the server refuses it."""
+
+
+class SchemaMissing(UsageError):
+    """The pgq schema is not installed: run `pgq init`."""
+
+
+class EmbeddedServerError(PgqError):
+    """The embedded PostgreSQL server could not be started."""
+
+
+# --- raised by handlers -------------------------------------------------------
+
+
+class SystemicError(Exception):
+    """A dependency is failing: not this message's fault.
+
+    Systemic failures count toward the circuit breaker and are refunded when the
+    group's breaker closes after an outage.
+    """
+
+
+class PermanentError(Exception):
+    """This message can never succeed: dead-letter it at once."""
+
+
+class RetryLater(Exception):
+    """Put the message back and try it again after `delay` seconds, without
+    charging an attempt (a snooze)."""
+
+    def __init__(self, delay: float = 0.0, message: str | None = None) -> None:
+        if delay < 0:
+            raise ValueError("RetryLater delay must be >= 0")
+        self.delay = float(delay)
+        super().__init__(message or f"retry later in {self.delay:g}s")

@@ -1,0 +1,221 @@
+"""pgq's tables, defined once as SQLAlchemy Core `Table`s.
+
+Every table lives in the schema named `pgq` here; the schema that is actually
+used is chosen at run time through SQLAlchemy's `schema_translate_map` (see
+`pgq.connect`), so one set of `Table` objects serves every schema and the
+statement cache keeps working.
+
+Why the indexes are what they are: `docs/decisions/0002-delivery-indexes.md`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
+from sqlalchemy.types import UserDefinedType
+
+SCHEMA_PLACEHOLDER = "pgq"
+"""The schema name the tables are declared in; translated at run time."""
+
+metadata = MetaData(schema=SCHEMA_PLACEHOLDER)
+
+
+class XID8(UserDefinedType[str]):
+    """PostgreSQL's 64-bit transaction id type (`xid8`, PostgreSQL 13+)."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "xid8"
+
+
+def _tstz() -> TIMESTAMP:
+    return TIMESTAMP(timezone=True)
+
+
+def _now_column(name: str) -> Column[Any]:
+    return Column(name, _tstz(), nullable=False, server_default=func.now())
+
+
+def _counter(name: str) -> Column[Any]:
+    return Column(name, BigInteger, nullable=False, server_default=text("0"))
+
+
+schema_version = Table(
+    "schema_version",
+    metadata,
+    Column("version", Integer, primary_key=True),
+    _now_column("applied_at"),
+)
+
+topic = Table(
+    "topic",
+    metadata,
+    Column("id", Integer, Identity(), primary_key=True),
+    Column("name", Text, nullable=False, unique=True),
+    _now_column("created_at"),
+)
+
+message = Table(
+    "message",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    # no foreign key: checked by the API, and a trigger per row would cost publish speed
+    Column("topic_id", Integer, nullable=False),
+    Column("key", Text),
+    Column("payload", JSONB(none_as_null=True), nullable=False),
+    Column("headers", JSONB(none_as_null=True)),
+    _now_column("created_at"),
+    # the publishing transaction: the committed frontier advances in (xid, id) order
+    Column("xid", XID8(), nullable=False, server_default=text("pg_current_xact_id()")),
+)
+Index("message_topic_id_idx", message.c.topic_id, message.c.id)
+
+consumer_group = Table(
+    "consumer_group",
+    metadata,
+    Column("id", Integer, Identity(), primary_key=True),
+    Column("name", Text, nullable=False, unique=True),
+    Column("topic_id", Integer, ForeignKey("pgq.topic.id"), nullable=False),
+    _now_column("created_at"),
+    # the contiguity frontier: every delivery row at or below (xid, id) is resolved
+    Column("committed_xid", XID8(), nullable=False, server_default=text("'0'::xid8")),
+    Column("committed_id", BigInteger),
+    _counter("done_pruned"),
+    _counter("reclaimed_total"),
+    _counter("released_total"),
+    _counter("refunded_total"),
+)
+
+delivery = Table(
+    "delivery",
+    metadata,
+    Column("group_id", Integer, nullable=False),
+    Column("message_id", BigInteger, nullable=False),
+    Column("xid", XID8(), nullable=False),
+    Column("state", Text, nullable=False, server_default=text("'ready'")),
+    Column("available_at", _tstz(), nullable=False, server_default=func.now()),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("reclaims", Integer, nullable=False, server_default=text("0")),
+    Column("refundable_attempts", Integer, nullable=False, server_default=text("0")),
+    Column("refundable_reclaims", Integer, nullable=False, server_default=text("0")),
+    Column("refunds", Integer, nullable=False, server_default=text("0")),
+    Column("lease_owner", Text),
+    # changes on every claim and reclaim: outcomes are fenced on it
+    Column("lease_seq", Integer, nullable=False, server_default=text("0")),
+    Column("lease_expires_at", _tstz()),
+    Column("error_class", Text),
+    Column("last_error", Text),
+    # the breaker epoch the last failure happened under (reconciliation scope)
+    Column("error_epoch", Integer),
+    _now_column("updated_at"),
+    PrimaryKeyConstraint("group_id", "message_id"),
+    CheckConstraint("state IN ('ready', 'leased', 'done', 'dead')", name="delivery_state_check"),
+    CheckConstraint(
+        "error_class IS NULL OR error_class IN ('systemic', 'message', 'permanent', 'lease')",
+        name="delivery_error_class_check",
+    ),
+    # leased rows are small, so updates that only extend a lease can be HOT
+    postgresql_with={"fillfactor": "80"},
+)
+# claim path: ready rows of one group, earliest available first
+Index(
+    "delivery_ready_idx",
+    delivery.c.group_id,
+    delivery.c.available_at,
+    delivery.c.message_id,
+    postgresql_where=delivery.c.state == "ready",
+)
+# lease sweep: leased rows of one group by expiry
+Index(
+    "delivery_leased_idx",
+    delivery.c.group_id,
+    delivery.c.lease_expires_at,
+    postgresql_where=delivery.c.state == "leased",
+)
+# frontier: rows of one group in commit order
+Index("delivery_frontier_idx", delivery.c.group_id, delivery.c.xid, delivery.c.message_id)
+# reconciliation and `pgq dead`: failed rows only
+Index(
+    "delivery_failed_idx",
+    delivery.c.group_id,
+    delivery.c.error_class,
+    postgresql_where=delivery.c.error_class.is_not(None),
+)
+
+member = Table(
+    "member",
+    metadata,
+    Column("group_id", Integer, nullable=False),
+    Column("name", Text, nullable=False),
+    Column("host", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+    _now_column("started_at"),
+    _now_column("last_seen"),
+    Column("local_breaker", Text, nullable=False, server_default=text("'closed'")),
+    # the group epoch under which the local breaker last tripped
+    Column("tripped_epoch", Integer),
+    Column("left_at", _tstz()),
+    PrimaryKeyConstraint("group_id", "name"),
+    CheckConstraint("local_breaker IN ('open', 'closed')", name="member_local_breaker_check"),
+)
+
+breaker = Table(
+    "breaker",
+    metadata,
+    Column("group_id", Integer, ForeignKey("pgq.consumer_group.id"), primary_key=True),
+    Column("state", Text, nullable=False, server_default=text("'CLOSED'")),
+    _now_column("since"),
+    Column("epoch", Integer, nullable=False, server_default=text("0")),
+    Column("next_probe_at", _tstz()),
+    Column("probe_failures", Integer, nullable=False, server_default=text("0")),
+    Column("prober", Text),
+    # reconciliation still owed for this close epoch (crash-safe resume)
+    Column("reconcile_epoch", Integer),
+    Column("reconcile_from_epoch", Integer),
+    CheckConstraint("state IN ('CLOSED', 'OPEN')", name="breaker_state_check"),
+)
+
+breaker_history = Table(
+    "breaker_history",
+    metadata,
+    Column("group_id", Integer, nullable=False),
+    Column("epoch", Integer, nullable=False),
+    Column("state", Text, nullable=False),
+    _now_column("at"),
+    Column("refunded", BigInteger, nullable=False, server_default=text("0")),
+    Column("by_member", Text),
+    PrimaryKeyConstraint("group_id", "epoch"),
+)
+
+audit = Table(
+    "audit",
+    metadata,
+    Column("id", BigInteger, Identity(), primary_key=True),
+    _now_column("at"),
+    Column("group_id", Integer, nullable=False),
+    Column("action", Text, nullable=False),
+    Column("message_ids", JSONB, nullable=False),
+    Column("count", BigInteger, nullable=False),
+    Column("reason", Text, nullable=False),
+    Column("actor", Text, nullable=False),
+)
+
+STATES = ("ready", "leased", "done", "dead")
+ERROR_CLASSES = ("systemic", "message", "permanent", "lease")

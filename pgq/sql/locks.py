@@ -1,0 +1,24 @@
+"""Advisory lock keys, derived from the schema and what they guard."""
+
+from __future__ import annotations
+
+import hashlib
+
+from sqlalchemy import func, select
+from sqlalchemy.sql import Select
+
+
+def lock_key(*parts: str) -> int:
+    """A stable signed 64-bit advisory lock key for `parts` (schema first)."""
+    digest = hashlib.blake2b("\x1f".join(("pgq", *parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def xact_lock(key: int) -> Select[tuple[None]]:
+    """Wait for a transaction-scoped advisory lock (released at commit)."""
+    return select(func.pg_advisory_xact_lock(key))
+
+
+def try_session_lock(key: int) -> Select[tuple[bool]]:
+    """Try a session-level advisory lock; true when this session now holds it."""
+    return select(func.pg_try_advisory_lock(key))

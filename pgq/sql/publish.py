@@ -1,0 +1,126 @@
+"""Statements for topics, groups and publishing."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from sqlalchemy import Integer, Interval, Text, bindparam, cast, func, insert, select, true
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.sql import Executable
+
+from pgq import schema as t
+
+
+@cache
+def create_topic() -> Executable:
+    """Insert topic `:name` unless it exists."""
+    return pg_insert(t.topic).values(name=bindparam("name")).on_conflict_do_nothing()
+
+
+@cache
+def lock_topic_for_subscribe() -> Executable:
+    """The id of topic `:name`, locked against concurrent publishers (FOR UPDATE)."""
+    return select(t.topic.c.id).where(t.topic.c.name == bindparam("name")).with_for_update()
+
+
+@cache
+def insert_group() -> Executable:
+    """Create group `:name` on topic `:topic_id`; returns its id, nothing if it exists."""
+    return (
+        pg_insert(t.consumer_group)
+        .values(name=bindparam("name"), topic_id=bindparam("topic_id"))
+        .on_conflict_do_nothing(index_elements=["name"])
+        .returning(t.consumer_group.c.id)
+    )
+
+
+@cache
+def group_by_name() -> Executable:
+    """Group `:name` with its topic's name."""
+    g, tp = t.consumer_group, t.topic
+    return (
+        select(g.c.id, g.c.name, tp.c.name.label("topic"), tp.c.id.label("topic_id"))
+        .join(tp, tp.c.id == g.c.topic_id)
+        .where(g.c.name == bindparam("name"))
+    )
+
+
+@cache
+def insert_breaker() -> Executable:
+    """The group's breaker row, CLOSED at epoch 0."""
+    return insert(t.breaker).values(group_id=bindparam("group_id"))
+
+
+@cache
+def backfill_group() -> Executable:
+    """One ready delivery row in group `:group_id` for every retained message of `:topic_id`."""
+    m = t.message
+    return insert(t.delivery).from_select(
+        ["group_id", "message_id", "xid"],
+        select(bindparam("group_id", type_=Integer), m.c.id, m.c.xid).where(
+            m.c.topic_id == bindparam("topic_id")
+        ),
+    )
+
+
+@cache
+def publish_batch() -> Executable:
+    """Publish `:payloads` (JSON array elements) to topic `:topic` in one statement.
+
+    Locks the topic row FOR KEY SHARE (so a concurrent subscribe waits for this
+    transaction), inserts the messages in input order, inserts one ready
+    delivery row per subscribed group, and notifies `:channel`. Returns one row:
+    the new ids in order (NULL when the topic does not exist).
+    """
+    tp, m, g, d = t.topic, t.message, t.consumer_group, t.delivery
+    topic_row = (
+        select(tp.c.id)
+        .where(tp.c.name == bindparam("topic"))
+        .with_for_update(read=True, key_share=True)
+    ).cte("topic_row")
+    src = (
+        func.unnest(cast(bindparam("payloads", type_=ARRAY(Text)), ARRAY(JSONB)))
+        .table_valued("payload", with_ordinality="ord")
+        .render_derived()
+    )
+    new_messages = (
+        insert(m)
+        .from_select(
+            ["topic_id", "key", "payload", "headers"],
+            select(
+                topic_row.c.id,
+                bindparam("key", type_=Text),
+                src.c.payload,
+                cast(bindparam("headers", type_=Text), JSONB),
+            )
+            .select_from(topic_row.join(src, true()))
+            .order_by(src.c.ord),
+        )
+        .returning(m.c.id, m.c.xid)
+        .cte("new_messages")
+    )
+    deliveries = insert(d).from_select(
+        ["group_id", "message_id", "xid", "available_at"],
+        select(
+            g.c.id,
+            new_messages.c.id,
+            new_messages.c.xid,
+            func.now() + bindparam("delay", type_=Interval),
+        )
+        .select_from(new_messages.join(g, true()))
+        .where(g.c.topic_id == select(topic_row.c.id).scalar_subquery()),
+    )
+    return (
+        select(
+            func.array_agg(aggregate_order_by(new_messages.c.id, new_messages.c.id)).label("ids"),
+            func.pg_notify(bindparam("channel"), bindparam("topic")).label("notified"),
+        )
+        .select_from(new_messages)
+        .add_cte(deliveries.cte("deliveries"))
+    )
+
+
+def notify_channel(schema: str) -> str:
+    """The LISTEN/NOTIFY channel publishers in `schema` notify (payload: the topic)."""
+    return f"pgq.{schema}"

@@ -1,0 +1,147 @@
+"""Topics, groups and publishing: `create_topic`, `subscribe`, `publish`, `publish_many`."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Literal
+
+from sqlalchemy import Connection, Engine
+
+from pgq.connect import schema_of
+from pgq.errors import InvalidName, InvalidPayload, UnknownGroup, UnknownTopic, UsageError
+from pgq.sql import publish as q
+from pgq.store import wrap_errors
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+Bind = Engine | Connection
+
+
+def check_name(kind: str, name: object) -> str:
+    """Return `name` if it is a valid topic or group name, else raise `InvalidName`."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise InvalidName(
+            f"invalid {kind} name {name!r}: 1-63 characters of letters, digits, '.', '_' or '-',"
+            " starting with a letter or digit"
+        )
+    return name
+
+
+@contextlib.contextmanager
+def _transaction(target: Bind) -> Iterator[Connection]:
+    """A connection in a transaction: the caller's, or a new one committed on exit."""
+    if isinstance(target, Connection):
+        yield target
+        return
+    with target.begin() as conn:
+        yield conn
+
+
+def create_topic(target: Bind, name: str) -> None:
+    """Create topic `name` (idempotent)."""
+    check_name("topic", name)
+    with wrap_errors(), _transaction(target) as conn:
+        conn.execute(q.create_topic(), {"name": name})
+
+
+def subscribe(
+    target: Bind, group: str, topic: str, start: Literal["earliest", "latest"] = "earliest"
+) -> None:
+    """Create consumer group `group` on `topic` (idempotent).
+
+    With `start="earliest"` the group gets a delivery row for every retained
+    message of the topic; with `"latest"` only messages published after this
+    call commits. Waits for publishing transactions that are still open, so no
+    message is left without the new group's row.
+    """
+    check_name("group", group)
+    check_name("topic", topic)
+    if start not in ("earliest", "latest"):
+        raise UsageError(f"invalid start {start!r}: use 'earliest' or 'latest'")
+    with wrap_errors(), _transaction(target) as conn:
+        topic_id = conn.execute(q.lock_topic_for_subscribe(), {"name": topic}).scalar()
+        if topic_id is None:
+            raise UnknownTopic(f"unknown topic {topic!r}")
+        group_id = conn.execute(q.insert_group(), {"name": group, "topic_id": topic_id}).scalar()
+        if group_id is None:
+            existing = conn.execute(q.group_by_name(), {"name": group}).one()
+            if existing.topic != topic:
+                raise UsageError(
+                    f"group {group!r} already exists on topic {existing.topic!r}, not {topic!r}"
+                )
+            return
+        conn.execute(q.insert_breaker(), {"group_id": group_id})
+        if start == "earliest":
+            conn.execute(q.backfill_group(), {"group_id": group_id, "topic_id": topic_id})
+
+
+def group_info(target: Bind, group: str) -> Any:
+    """The group's row (id, name, topic, topic_id); raises `UnknownGroup`."""
+    check_name("group", group)
+    with wrap_errors(), _transaction(target) as conn:
+        row = conn.execute(q.group_by_name(), {"name": group}).one_or_none()
+    if row is None:
+        raise UnknownGroup(f"unknown group {group!r}")
+    return row
+
+
+def to_json(value: Any) -> str:
+    """`value` as JSON text; raises `InvalidPayload` if it is not JSON-serialisable."""
+    try:
+        return json.dumps(value, allow_nan=False, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise InvalidPayload(f"payload is not JSON-serialisable: {exc}") from None
+
+
+def publish_many(
+    target: Bind,
+    topic: str,
+    payloads: Iterable[Any],
+    *,
+    key: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    delay: float | None = None,
+) -> list[int]:
+    """Publish every payload to `topic` in one statement; return the new ids in order.
+
+    `target` is an `Engine` (own transaction, committed here) or a `Connection`
+    (written inside the caller's transaction: invisible until the caller
+    commits, gone on rollback). `key`, `headers` and `delay` (seconds before
+    the messages become claimable) apply to every message of the batch.
+    """
+    check_name("topic", topic)
+    batch = [to_json(p) for p in payloads]
+    if not batch:
+        return []
+    if delay is not None and delay < 0:
+        raise UsageError("delay must be >= 0")
+    params = {
+        "topic": topic,
+        "payloads": batch,
+        "key": key,
+        "headers": to_json(dict(headers)) if headers is not None else None,
+        "delay": dt.timedelta(seconds=delay or 0.0),
+        "channel": q.notify_channel(schema_of(target)),
+    }
+    with wrap_errors(), _transaction(target) as conn:
+        ids = conn.execute(q.publish_batch(), params).scalar()
+    if ids is None:
+        raise UnknownTopic(f"unknown topic {topic!r}")
+    return list(ids)
+
+
+def publish(
+    target: Bind,
+    topic: str,
+    payload: Any,
+    *,
+    key: str | None = None,
+    headers: Mapping[str, Any] | None = None,
+    delay: float | None = None,
+) -> int:
+    """Publish one message to `topic`; return its id. See `publish_many`."""
+    return publish_many(target, topic, [payload], key=key, headers=headers, delay=delay)[0]
