@@ -1,0 +1,156 @@
+"""Failure classification: what a handler's exception means (DESIGN §5).
+
+`default_classify` maps an exception to ``"permanent"`` (`PermanentError`),
+``"systemic"`` (a dependency is failing: connection and timeout errors,
+anywhere on the cause/context chain) or ``"message"`` (anything else).
+Third-party errors are recognised by class name over the MRO, so requests,
+httpx, urllib3, psycopg, psycopg2 and SQLAlchemy are never imported here.
+`make_classifier` wraps a user ``classify`` hook with a safe fallback.
+
+`RetryLater` is not a failure; the consumer handles it before classifying.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+from pgq.errors import PermanentError, SystemicError
+
+__all__ = ["CLASSIFICATIONS", "Classification", "default_classify", "make_classifier"]
+
+log = logging.getLogger(__name__)
+
+Classification = Literal["systemic", "message", "permanent"]
+_BY_NAME: dict[str, Classification] = {
+    "systemic": "systemic",
+    "message": "message",
+    "permanent": "permanent",
+}
+CLASSIFICATIONS: frozenset[str] = frozenset(_BY_NAME)
+
+_SYSTEMIC_TYPES: tuple[type[BaseException], ...] = (
+    SystemicError,
+    ConnectionError,
+    TimeoutError,
+    socket.gaierror,
+)
+
+# (package, class qualname): matches a class of that name defined in the package
+# or any of its submodules (httpx defines its errors in httpx._exceptions,
+# psycopg in psycopg.errors, requests in requests.exceptions).
+_SYSTEMIC_NAMES: frozenset[tuple[str, str]] = frozenset(
+    (
+        ("requests", "ConnectionError"),
+        ("requests", "Timeout"),
+        ("httpx", "TransportError"),
+        ("httpx", "ConnectError"),
+        ("httpx", "TimeoutException"),
+        ("httpx", "NetworkError"),
+        ("urllib3", "NewConnectionError"),
+        ("urllib3", "ConnectTimeoutError"),
+        ("urllib3", "ReadTimeoutError"),
+        ("urllib3", "MaxRetryError"),
+        ("urllib3", "ProtocolError"),
+        ("psycopg", "OperationalError"),
+        ("psycopg", "ConnectionTimeout"),
+        ("psycopg2", "OperationalError"),
+        ("sqlalchemy", "OperationalError"),
+        ("sqlalchemy", "DisconnectionError"),
+        ("sqlalchemy", "TimeoutError"),
+    )
+)
+
+# How many exceptions of one chain to look at; chains are short, cycles are not.
+_MAX_CHAIN = 32
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """Yield `exc` and what it was raised from or while handling, as a traceback shows it.
+
+    Follows ``__cause__`` and, unless suppressed (``raise ... from None``),
+    ``__context__``; each exception once, at most `_MAX_CHAIN` of them.
+    """
+    seen: set[int] = set()
+    todo = deque([exc])
+    while todo and len(seen) < _MAX_CHAIN:
+        current = todo.popleft()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        if current.__cause__ is not None:
+            todo.append(current.__cause__)
+        if current.__context__ is not None and not current.__suppress_context__:
+            todo.append(current.__context__)
+
+
+def _is_systemic_type(cls: type[BaseException]) -> bool:
+    if issubclass(cls, _SYSTEMIC_TYPES):
+        return True
+    for klass in cls.__mro__:
+        package = klass.__module__.partition(".")[0]
+        if (package, klass.__qualname__) in _SYSTEMIC_NAMES:
+            return True
+    return False
+
+
+def default_classify(exc: BaseException) -> Classification:
+    """Classify a handler's exception as ``"permanent"``, ``"systemic"`` or ``"message"``.
+
+    A `PermanentError` itself is permanent, whatever it was raised from. Systemic
+    when the exception or anything on its cause/context chain is a
+    `SystemicError`, `ConnectionError`, `TimeoutError`, `socket.gaierror`, or a
+    connection/timeout error of requests, httpx, urllib3, psycopg, psycopg2 or
+    SQLAlchemy (matched by name). Anything else is a message failure.
+    """
+    if isinstance(exc, PermanentError):
+        return "permanent"
+    if any(_is_systemic_type(type(e)) for e in _chain(exc)):
+        return "systemic"
+    return "message"
+
+
+def make_classifier(
+    user: Callable[[BaseException], object] | None,
+) -> Callable[[BaseException], Classification]:
+    """Return a classifier that asks `user` first and falls back to the default.
+
+    The user's answer wins whenever it is one of the three classifications
+    (even ``"systemic"`` for a `PermanentError`). If the hook raises or returns
+    anything else, a warning is logged and `default_classify` decides.
+    """
+    if user is None:
+        return default_classify
+    hook = user
+
+    def classify(exc: BaseException) -> Classification:
+        try:
+            result = hook(exc)
+        except Exception as hook_exc:
+            fallback = default_classify(exc)
+            log.warning(
+                "classify hook failed: hook=%r exc_type=%s error=%r fallback=%s",
+                hook,
+                type(exc).__qualname__,
+                hook_exc,
+                fallback,
+            )
+            return fallback
+        found = _BY_NAME.get(result) if isinstance(result, str) else None
+        if found is not None:
+            return found
+        fallback = default_classify(exc)
+        log.warning(
+            "classify hook returned an invalid value: hook=%r value=%r exc_type=%s fallback=%s",
+            hook,
+            result,
+            type(exc).__qualname__,
+            fallback,
+        )
+        return fallback
+
+    return classify
