@@ -25,6 +25,7 @@ from sqlalchemy import (
     Table,
     Text,
     func,
+    literal_column,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
@@ -219,3 +220,14 @@ audit = Table(
 
 STATES = ("ready", "leased", "done", "dead")
 ERROR_CLASSES = ("systemic", "message", "permanent", "lease")
+
+# State words rendered as SQL literals, not bind parameters: with parameters, a
+# prepared statement's generic plan could not use the partial indexes above.
+READY = literal_column("'ready'", Text)
+LEASED = literal_column("'leased'", Text)
+DONE = literal_column("'done'", Text)
+DEAD = literal_column("'dead'", Text)
+SYSTEMIC = literal_column("'systemic'", Text)
+OPEN = literal_column("'OPEN'", Text)
+CLOSED = literal_column("'CLOSED'", Text)
+LOCAL_OPEN = literal_column("'open'", Text)

@@ -74,9 +74,9 @@ def subscribe(
                     f"group {group!r} already exists on topic {existing.topic!r}, not {topic!r}"
                 )
             return
-        conn.execute(q.insert_breaker(), {"group_id": group_id})
+        conn.execute(q.insert_breaker(), {"gid": group_id})
         if start == "earliest":
-            conn.execute(q.backfill_group(), {"group_id": group_id, "topic_id": topic_id})
+            conn.execute(q.backfill_group(), {"gid": group_id, "topic_id": topic_id})
 
 
 def group_info(target: Bind, group: str) -> Any:

@@ -49,7 +49,7 @@ def group_by_name() -> Executable:
 @cache
 def insert_breaker() -> Executable:
     """The group's breaker row, CLOSED at epoch 0."""
-    return insert(t.breaker).values(group_id=bindparam("group_id"))
+    return insert(t.breaker).values(group_id=bindparam("gid"))
 
 
 @cache
@@ -58,7 +58,7 @@ def backfill_group() -> Executable:
     m = t.message
     return insert(t.delivery).from_select(
         ["group_id", "message_id", "xid"],
-        select(bindparam("group_id", type_=Integer), m.c.id, m.c.xid).where(
+        select(bindparam("gid", type_=Integer), m.c.id, m.c.xid).where(
             m.c.topic_id == bindparam("topic_id")
         ),
     )

@@ -1,0 +1,200 @@
+"""Statements of the claim path: claim, extend, release, sweep expired leases."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from sqlalchemy import (
+    BigInteger,
+    Integer,
+    Interval,
+    bindparam,
+    case,
+    func,
+    literal,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.sql import Executable
+
+from pgq import schema as t
+
+d, m = t.delivery, t.message
+
+
+def _leases() -> object:
+    """`unnest(:ids, :seqs)` as rows (message_id, seq): the leases an outcome names."""
+    return (
+        func.unnest(
+            bindparam("ids", type_=ARRAY(BigInteger)), bindparam("seqs", type_=ARRAY(Integer))
+        )
+        .table_valued("message_id", "seq")
+        .render_derived()
+    )
+
+
+@cache
+def claim() -> Executable:
+    """Lease up to `:limit` ready rows of `:group_id` to `:member` for `:lease`.
+
+    Skips rows other members hold locks on (never waits); earliest available
+    first. Bumps `lease_seq` so every claim is a new fencing token. Returns the
+    rows joined with their messages.
+    """
+    pick = (
+        select(d.c.message_id)
+        .where(d.c.group_id == bindparam("gid"), d.c.state == t.READY)
+        .where(d.c.available_at <= func.now())
+        .order_by(d.c.available_at, d.c.message_id)
+        .limit(bindparam("limit"))
+        .with_for_update(skip_locked=True)
+        .cte("pick")
+    )
+    return (
+        update(d)
+        .where(
+            d.c.group_id == bindparam("gid"),
+            d.c.message_id == pick.c.message_id,
+            m.c.id == d.c.message_id,
+        )
+        .values(
+            state=t.LEASED,
+            lease_owner=bindparam("member"),
+            lease_seq=d.c.lease_seq + 1,
+            lease_expires_at=func.now() + bindparam("lease", type_=Interval),
+            updated_at=func.now(),
+        )
+        .returning(
+            d.c.message_id,
+            d.c.lease_seq,
+            d.c.attempts,
+            d.c.reclaims,
+            d.c.refundable_attempts,
+            d.c.error_class,
+            m.c.topic_id,
+            m.c.key,
+            m.c.payload,
+            m.c.headers,
+            m.c.created_at,
+        )
+    )
+
+
+@cache
+def extend_leases() -> Executable:
+    """Push the expiry of the leases `:ids`/`:seqs` still held by `:member` to now + `:lease`."""
+    held = _leases()
+    return (
+        update(d)
+        .where(
+            d.c.group_id == bindparam("gid"),
+            d.c.message_id == held.c.message_id,
+            d.c.lease_seq == held.c.seq,
+            d.c.state == t.LEASED,
+            d.c.lease_owner == bindparam("member"),
+        )
+        .values(lease_expires_at=func.now() + bindparam("lease", type_=Interval))
+        .returning(d.c.message_id)
+    )
+
+
+@cache
+def release() -> Executable:
+    """Put the unstarted leases `:ids`/`:seqs` back to ready: no attempt, no reclaim charged."""
+    held = _leases()
+    return (
+        update(d)
+        .where(
+            d.c.group_id == bindparam("gid"),
+            d.c.message_id == held.c.message_id,
+            d.c.lease_seq == held.c.seq,
+            d.c.state == t.LEASED,
+        )
+        .values(state=t.READY, lease_owner=None, lease_expires_at=None, updated_at=func.now())
+        .returning(d.c.message_id)
+    )
+
+
+@cache
+def count_released() -> Executable:
+    """Add `:n` to the group's released total."""
+    g = t.consumer_group
+    return (
+        update(g)
+        .where(g.c.id == bindparam("gid"))
+        .values(released_total=g.c.released_total + bindparam("n", type_=BigInteger))
+    )
+
+
+@cache
+def sweep_expired() -> Executable:
+    """Reclaim up to `:limit` rows of `:group_id` whose lease expired without an outcome.
+
+    Each goes back to ready (`reclaims` + 1), or dead with class `lease` past
+    `:max_reclaims`. The reclaim is refundable when the group's breaker was
+    open, the holder's local breaker was open, or the row's last failure was
+    systemic. Returns the reclaimed rows' ids and new state.
+    """
+    br, mb = t.breaker, t.member
+    expired = (
+        select(d.c.message_id)
+        .where(
+            d.c.group_id == bindparam("gid"),
+            d.c.state == t.LEASED,
+            d.c.lease_expires_at < func.now(),
+        )
+        .order_by(d.c.lease_expires_at)
+        .limit(bindparam("limit"))
+        .with_for_update(skip_locked=True)
+        .cte("expired")
+    )
+    group_open = (
+        select(literal(True))
+        .where(br.c.group_id == bindparam("gid"), br.c.state == t.OPEN)
+        .exists()
+    )
+    holder_open = (
+        select(literal(True))
+        .where(
+            mb.c.group_id == d.c.group_id,
+            mb.c.name == d.c.lease_owner,
+            mb.c.local_breaker == t.LOCAL_OPEN,
+        )
+        .exists()
+    )
+    refundable = or_(group_open, holder_open, d.c.error_class == t.SYSTEMIC)
+    dies = d.c.reclaims + 1 > bindparam("max_reclaims", type_=Integer)
+    return (
+        update(d)
+        .where(d.c.group_id == bindparam("gid"), d.c.message_id == expired.c.message_id)
+        .values(
+            state=case((dies, t.DEAD), else_=t.READY),
+            reclaims=d.c.reclaims + 1,
+            refundable_reclaims=d.c.refundable_reclaims + case((refundable, 1), else_=0),
+            error_class=case((dies, "lease"), else_=d.c.error_class),
+            last_error=case(
+                (dies, "lease expired without an outcome too often"), else_=d.c.last_error
+            ),
+            error_epoch=case(
+                (dies, select(br.c.epoch).where(br.c.group_id == d.c.group_id).scalar_subquery()),
+                else_=d.c.error_epoch,
+            ),
+            lease_owner=None,
+            lease_expires_at=None,
+            updated_at=func.now(),
+        )
+        .returning(d.c.message_id, d.c.state)
+    )
+
+
+@cache
+def count_reclaimed() -> Executable:
+    """Add `:n` to the group's reclaimed total."""
+    g = t.consumer_group
+    return (
+        update(g)
+        .where(g.c.id == bindparam("gid"))
+        .values(reclaimed_total=g.c.reclaimed_total + bindparam("n", type_=BigInteger))
+    )

@@ -1,0 +1,118 @@
+"""Statements that record attempt outcomes, fenced on the lease.
+
+An outcome applies only where the row is still leased under the same
+`lease_seq` it was claimed with; a member that lost its lease (paused past it,
+reclaimed by someone else) writes nothing. Both statements return the ids
+they applied to, so the caller knows which outcomes were refused.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from sqlalchemy import (
+    BigInteger,
+    Float,
+    Integer,
+    Text,
+    bindparam,
+    case,
+    func,
+    literal_column,
+    text,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.sql import Executable
+
+from pgq import schema as t
+
+d = t.delivery
+
+
+@cache
+def ack_done() -> Executable:
+    """Mark the leases `:ids`/`:seqs` of `:group_id` done, charging one attempt each."""
+    held = (
+        func.unnest(
+            bindparam("ids", type_=ARRAY(BigInteger)), bindparam("seqs", type_=ARRAY(Integer))
+        )
+        .table_valued("message_id", "seq")
+        .render_derived()
+    )
+    return (
+        update(d)
+        .where(
+            d.c.group_id == bindparam("gid"),
+            d.c.message_id == held.c.message_id,
+            d.c.lease_seq == held.c.seq,
+            d.c.state == t.LEASED,
+        )
+        .values(
+            state=t.DONE,
+            attempts=d.c.attempts + 1,
+            lease_owner=None,
+            lease_expires_at=None,
+            updated_at=func.now(),
+        )
+        .returning(d.c.message_id)
+    )
+
+
+@cache
+def record_failures() -> Executable:
+    """Apply failures and snoozes to the leases named by parallel arrays.
+
+    Per row: `states` (ready or dead), `charges` (1 for a finished attempt, 0
+    for a snooze), `delays` (seconds until claimable again), `classes`
+    (error_class, NULL for a snooze: keeps the old one), `errors` (text),
+    `epochs` (the breaker epoch the attempt ran under). A systemic failure adds
+    one refundable attempt; any other failure resets the refundable charges.
+    """
+    o = (
+        func.unnest(
+            bindparam("ids", type_=ARRAY(BigInteger)),
+            bindparam("seqs", type_=ARRAY(Integer)),
+            bindparam("states", type_=ARRAY(Text)),
+            bindparam("charges", type_=ARRAY(Integer)),
+            bindparam("delays", type_=ARRAY(Float)),
+            bindparam("classes", type_=ARRAY(Text)),
+            bindparam("errors", type_=ARRAY(Text)),
+            bindparam("epochs", type_=ARRAY(Integer)),
+        )
+        .table_valued("message_id", "seq", "state", "charge", "delay", "class", "error", "epoch")
+        .render_derived()
+    )
+    snooze = o.c["class"].is_(None)
+    systemic = o.c["class"] == t.SYSTEMIC
+    return (
+        update(d)
+        .where(
+            d.c.group_id == bindparam("gid"),
+            d.c.message_id == o.c.message_id,
+            d.c.lease_seq == o.c.seq,
+            d.c.state == t.LEASED,
+        )
+        .values(
+            state=o.c.state,
+            attempts=d.c.attempts + o.c.charge,
+            available_at=func.now() + o.c.delay * text("interval '1 second'"),
+            error_class=case((snooze, d.c.error_class), else_=o.c["class"]),
+            last_error=case((snooze, d.c.last_error), else_=o.c.error),
+            error_epoch=case((snooze, d.c.error_epoch), else_=o.c.epoch),
+            refundable_attempts=case(
+                (snooze, d.c.refundable_attempts),
+                (systemic, d.c.refundable_attempts + 1),
+                else_=literal_column("0"),
+            ),
+            refundable_reclaims=case(
+                (snooze, d.c.refundable_reclaims),
+                (systemic, d.c.refundable_reclaims),
+                else_=literal_column("0"),
+            ),
+            lease_owner=None,
+            lease_expires_at=None,
+            updated_at=func.now(),
+        )
+        .returning(d.c.message_id)
+    )
