@@ -1,0 +1,204 @@
+"""Read-only statements behind `pgq status`, `members`, `breaker` and `dead`.
+
+Every statement reads one group by id (`:group_id`) or every group at once;
+nothing here writes. Liveness and ages are computed with the database clock.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    Float,
+    Integer,
+    Text,
+    and_,
+    bindparam,
+    case,
+    cast,
+    column,
+    func,
+    select,
+    table,
+)
+from sqlalchemy.sql import ColumnElement, Select
+
+from pgq import schema as t
+
+
+def _count_columns() -> list[ColumnElement[Any]]:
+    d = t.delivery
+    return [
+        func.count().filter(d.c.state == "ready").label("ready"),
+        func.count().filter(d.c.state == "leased").label("leased"),
+        func.count().filter(d.c.state == "done").label("done"),
+        func.count().filter(d.c.state == "dead").label("dead"),
+        func.count()
+        .filter(and_(d.c.state == "dead", d.c.error_class == "systemic"))
+        .label("dead_systemic"),
+    ]
+
+
+@cache
+def group_counts() -> Select[Any]:
+    """Delivery rows of group `:group_id` per state (ready includes rows waiting for retry)."""
+    d = t.delivery
+    return select(*_count_columns()).where(d.c.group_id == bindparam("group_id", type_=Integer))
+
+
+@cache
+def all_group_counts() -> Select[Any]:
+    """`group_counts` for every group that has delivery rows, one row per `group_id`."""
+    d = t.delivery
+    return select(d.c.group_id, *_count_columns()).group_by(d.c.group_id)
+
+
+def _groups() -> Select[Any]:
+    g, tp, b = t.consumer_group, t.topic, t.breaker
+    return select(
+        g.c.id,
+        g.c.name,
+        tp.c.name.label("topic"),
+        g.c.created_at,
+        g.c.committed_id,
+        g.c.done_pruned,
+        g.c.reclaimed_total,
+        g.c.released_total,
+        g.c.refunded_total,
+        # a group always has its breaker row; the fallbacks only keep status total
+        func.coalesce(b.c.state, "CLOSED").label("breaker_state"),
+        func.coalesce(b.c.since, g.c.created_at).label("breaker_since"),
+        func.coalesce(b.c.epoch, 0).label("breaker_epoch"),
+        b.c.prober.label("breaker_prober"),
+        b.c.next_probe_at.label("breaker_next_probe_at"),
+    ).select_from(g.join(tp, tp.c.id == g.c.topic_id).outerjoin(b, b.c.group_id == g.c.id))
+
+
+@cache
+def group_row() -> Select[Any]:
+    """Group `:group_id`: frontier, running totals and its breaker row."""
+    return _groups().where(t.consumer_group.c.id == bindparam("group_id", type_=Integer))
+
+
+@cache
+def all_group_rows() -> Select[Any]:
+    """`group_row` for every group, by name."""
+    return _groups().order_by(t.consumer_group.c.name)
+
+
+def _members() -> Select[Any]:
+    m = t.member
+    # make_interval(years, months, weeks, days, hours, mins, secs): `secs => :ttl`
+    ttl = func.make_interval(0, 0, 0, 0, 0, 0, bindparam("ttl", type_=Float))
+    live = and_(m.c.last_seen > func.now() - ttl, m.c.left_at.is_(None))
+    return select(
+        m.c.group_id,
+        m.c.name,
+        case((live, True), else_=False).label("live"),
+        m.c.local_breaker,
+        m.c.last_seen,
+        m.c.host,
+        m.c.pid,
+        m.c.started_at,
+        m.c.left_at,
+    )
+
+
+@cache
+def group_members() -> Select[Any]:
+    """Members of group `:group_id` by name; `live` when heard from within `:ttl` seconds."""
+    m = t.member
+    return _members().where(m.c.group_id == bindparam("group_id", type_=Integer)).order_by(m.c.name)
+
+
+@cache
+def all_members() -> Select[Any]:
+    """`group_members` for every group, by group and name."""
+    m = t.member
+    return _members().order_by(m.c.group_id, m.c.name)
+
+
+@cache
+def breaker_history() -> Select[Any]:
+    """The last `:limit` breaker transitions of group `:group_id`, newest first."""
+    h = t.breaker_history
+    return (
+        select(h.c.epoch, h.c.state, h.c.at, h.c.refunded, h.c.by_member)
+        .where(h.c.group_id == bindparam("group_id", type_=Integer))
+        .order_by(h.c.epoch.desc(), h.c.at.desc())
+        .limit(bindparam("limit", type_=Integer))
+    )
+
+
+@cache
+def dead_rows() -> Select[Any]:
+    """The first `:limit` dead rows of group `:group_id`, by message id."""
+    d = t.delivery
+    return (
+        select(
+            d.c.message_id,
+            d.c.attempts,
+            d.c.reclaims,
+            d.c.refunds,
+            d.c.error_class,
+            d.c.last_error.label("error"),
+            d.c.updated_at,
+        )
+        .where(d.c.group_id == bindparam("group_id", type_=Integer), d.c.state == "dead")
+        .order_by(d.c.message_id)
+        .limit(bindparam("limit", type_=Integer))
+    )
+
+
+_activity = table(
+    "pg_stat_activity",
+    column("pid", Integer),
+    column("leader_pid", Integer),
+    column("datname", Text),
+    column("usename", Text),
+    column("application_name", Text),
+    column("state", Text),
+    column("xact_start"),
+    column("backend_xid"),
+    column("backend_xmin"),
+    schema="pg_catalog",
+)
+
+
+@cache
+def frontier_holder() -> Select[Any]:
+    """The backend, in any database of the cluster, with the oldest open transaction id.
+
+    The frontier only passes transactions older than the snapshot's xmin, which
+    is the oldest transaction id still running anywhere in the cluster: so the
+    holder is the backend with the oldest `backend_xid`. (A `backend_xmin` alone,
+    a long read-only snapshot, holds vacuum back but not the frontier, and is
+    only used to break ties.) This session and its parallel workers are left out.
+    Sessions of other roles are visible only with `pg_read_all_stats`. Ages are
+    in seconds since the holder's transaction started, by the database clock.
+    """
+    a = _activity
+    return (
+        select(
+            a.c.pid,
+            cast(func.extract("epoch", func.clock_timestamp() - a.c.xact_start), Float).label(
+                "age_s"
+            ),
+            a.c.state,
+            a.c.datname,
+            a.c.usename,
+            a.c.application_name,
+            func.age(a.c.backend_xid).label("xid_age"),
+        )
+        .where(
+            a.c.backend_xid.is_not(None),
+            func.coalesce(a.c.leader_pid, a.c.pid) != func.pg_backend_pid(),
+        )
+        .order_by(
+            func.age(a.c.backend_xid).desc(),
+            func.age(a.c.backend_xmin).desc().nulls_last(),
+            a.c.xact_start,
+        )
+        .limit(1)
+    )

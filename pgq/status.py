@@ -1,0 +1,243 @@
+"""What a group is doing: the functions behind `pgq status`, `members`, `breaker`, `dead`.
+
+Plain typed functions a script can call as well as the CLI. Each returns plain
+dicts and lists in exactly the shape the CLI prints with `--json` (DESIGN §7):
+timestamps are UTC ISO 8601 strings with `+00:00`, absent values are `None`.
+Every function reads one consistent snapshot (one REPEATABLE READ transaction).
+
+Member liveness needs the `breaker.member_ttl` setting; the library does not
+read configuration, so the caller passes it (the CLI passes the loaded value)
+and the default is the documented default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+
+from pgq.settings import DEFAULTS
+from pgq.sql import status as q
+from pgq.store import wrap_errors
+from pgq.topics import group_info
+
+__all__ = [
+    "DEFAULT_HISTORY_LIMIT",
+    "DEFAULT_MEMBER_TTL",
+    "breaker_info",
+    "dead",
+    "frontier_held_by",
+    "iso",
+    "members",
+    "status",
+    "status_all",
+]
+
+DEFAULT_MEMBER_TTL: float = float(DEFAULTS["breaker_member_ttl"])
+"""Seconds since its last heartbeat during which a member counts as live."""
+
+DEFAULT_HISTORY_LIMIT = 20
+"""Breaker transitions `breaker_info` returns by default."""
+
+
+def iso(ts: dt.datetime | None) -> str | None:
+    """`ts` as UTC ISO 8601 with `+00:00` (None stays None)."""
+    if ts is None:
+        return None
+    if ts.tzinfo is None:  # timestamptz columns are always aware; be safe anyway
+        ts = ts.replace(tzinfo=dt.timezone.utc)
+    return ts.astimezone(dt.timezone.utc).isoformat()
+
+
+@contextlib.contextmanager
+def _snapshot(engine: Engine) -> Iterator[Connection]:
+    """A read-only connection whose statements all see one snapshot."""
+    with (
+        wrap_errors(),
+        engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn,
+    ):
+        yield conn
+
+
+def _member(row: Any) -> dict[str, Any]:
+    return {
+        "name": row.name,
+        "live": bool(row.live),
+        "local_breaker": row.local_breaker,
+        "last_seen": iso(row.last_seen),
+        "host": row.host,
+        "pid": row.pid,
+        "started_at": iso(row.started_at),
+        "left_at": iso(row.left_at),
+    }
+
+
+def _breaker(row: Any) -> dict[str, Any]:
+    state = row.breaker_state
+    return {
+        "state": state,
+        "since": iso(row.breaker_since),
+        # only an open group has a prober; a name left behind after a close is stale
+        "prober": row.breaker_prober if state == "OPEN" else None,
+        "epoch": int(row.breaker_epoch),
+        "next_probe_at": iso(row.breaker_next_probe_at) if state == "OPEN" else None,
+    }
+
+
+def _holder(conn: Connection) -> dict[str, Any] | None:
+    row = conn.execute(q.frontier_holder()).one_or_none()
+    if row is None:
+        return None
+    return {
+        "pid": row.pid,
+        "age_s": round(max(float(row.age_s or 0.0), 0.0), 3),
+        "state": row.state,
+        "datname": row.datname,
+        "usename": row.usename,
+        "application_name": row.application_name,
+    }
+
+
+_ZERO_COUNTS: Mapping[str, int] = {
+    "ready": 0,
+    "leased": 0,
+    "done": 0,
+    "dead": 0,
+    "dead_systemic": 0,
+}
+
+
+def _group(
+    row: Any,
+    counts: Mapping[str, Any] | None,
+    members: list[dict[str, Any]],
+    holder: dict[str, Any] | None,
+) -> dict[str, Any]:
+    c = {k: int(v) for k, v in (counts or _ZERO_COUNTS).items() if k in _ZERO_COUNTS}
+    done = c["done"] + int(row.done_pruned)
+    return {
+        "group": row.name,
+        "topic": row.topic,
+        "committed": row.committed_id,
+        "counts": {
+            "ready": c["ready"],
+            "leased": c["leased"],
+            "done": done,
+            "dead": c["dead"],
+            "dead_systemic": c["dead_systemic"],
+        },
+        "totals": {
+            "reclaimed": int(row.reclaimed_total),
+            "released": int(row.released_total),
+            "refunded": int(row.refunded_total),
+        },
+        "lag": c["ready"] + c["leased"],
+        "breaker": _breaker(row),
+        "members": members,
+        "frontier_held_by": holder,
+    }
+
+
+def status(engine: Engine, group: str, *, member_ttl: float = DEFAULT_MEMBER_TTL) -> dict[str, Any]:
+    """The `pgq status GROUP --json` object of `group`; raises `UnknownGroup`.
+
+    Keys: group, topic, committed, counts {ready, leased, done, dead,
+    dead_systemic}, totals {reclaimed, released, refunded}, lag, breaker
+    {state, since, prober, epoch}, members, and frontier_held_by (the backend
+    with the oldest open transaction in the cluster, or None).
+    """
+    with _snapshot(engine) as conn:
+        gid = group_info(conn, group).id
+        row = conn.execute(q.group_row(), {"group_id": gid}).one()
+        counts = conn.execute(q.group_counts(), {"group_id": gid}).one()._asdict()
+        mems = conn.execute(q.group_members(), {"group_id": gid, "ttl": member_ttl}).all()
+        holder = _holder(conn)
+    return _group(row, counts, [_member(m) for m in mems], holder)
+
+
+def status_all(engine: Engine, *, member_ttl: float = DEFAULT_MEMBER_TTL) -> dict[str, Any]:
+    """`{"groups": [...]}`: the `status` object of every group, by name."""
+    with _snapshot(engine) as conn:
+        rows = conn.execute(q.all_group_rows()).all()
+        counts = {r.group_id: r._asdict() for r in conn.execute(q.all_group_counts())}
+        mems: dict[int, list[dict[str, Any]]] = {}
+        for m in conn.execute(q.all_members(), {"ttl": member_ttl}):
+            mems.setdefault(m.group_id, []).append(_member(m))
+        holder = _holder(conn)
+    return {"groups": [_group(r, counts.get(r.id), mems.get(r.id, []), holder) for r in rows]}
+
+
+def members(engine: Engine, group: str, ttl: float = DEFAULT_MEMBER_TTL) -> list[dict[str, Any]]:
+    """Members of `group`, live and stale, by name; raises `UnknownGroup`.
+
+    Each is `{"name", "live", "local_breaker", "last_seen", ...}`; `live` means a
+    heartbeat within `ttl` seconds (database clock) and not left.
+    """
+    with _snapshot(engine) as conn:
+        gid = group_info(conn, group).id
+        rows = conn.execute(q.group_members(), {"group_id": gid, "ttl": ttl}).all()
+    return [_member(m) for m in rows]
+
+
+def breaker_info(
+    engine: Engine, group: str, history_limit: int = DEFAULT_HISTORY_LIMIT
+) -> dict[str, Any]:
+    """The breaker object of `group` plus `history`; raises `UnknownGroup`.
+
+    `{"state", "since", "prober", "epoch", "history": [{"epoch", "state", "at",
+    "refunded"}, ...]}`, history newest first, at most `history_limit` entries.
+    """
+    with _snapshot(engine) as conn:
+        gid = group_info(conn, group).id
+        row = conn.execute(q.group_row(), {"group_id": gid}).one()
+        history = conn.execute(
+            q.breaker_history(), {"group_id": gid, "limit": max(history_limit, 0)}
+        ).all()
+    info = _breaker(row)
+    info["history"] = [
+        {
+            "epoch": h.epoch,
+            "state": h.state,
+            "at": iso(h.at),
+            "refunded": int(h.refunded),
+            "by_member": h.by_member,
+        }
+        for h in history
+    ]
+    return info
+
+
+def dead(engine: Engine, group: str, limit: int = 100) -> list[dict[str, Any]]:
+    """Up to `limit` dead rows of `group`, by message id; raises `UnknownGroup`.
+
+    Each is `{"message_id", "attempts", "reclaims", "refunds", "error_class",
+    "error", "updated_at"}`.
+    """
+    with _snapshot(engine) as conn:
+        gid = group_info(conn, group).id
+        rows = conn.execute(q.dead_rows(), {"group_id": gid, "limit": max(limit, 0)}).all()
+    return [
+        {
+            "message_id": r.message_id,
+            "attempts": r.attempts,
+            "reclaims": r.reclaims,
+            "refunds": r.refunds,
+            "error_class": r.error_class,
+            "error": r.error,
+            "updated_at": iso(r.updated_at),
+        }
+        for r in rows
+    ]
+
+
+def frontier_held_by(engine: Engine) -> dict[str, Any] | None:
+    """The backend with the oldest open transaction id in the cluster, or None.
+
+    `{"pid", "age_s", "state", "datname", ...}`: while it stays open no group's
+    frontier (and so no pruning) passes its transaction.
+    """
+    with _snapshot(engine) as conn:
+        return _holder(conn)
