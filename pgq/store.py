@@ -7,14 +7,34 @@ the breaker logic and the CLI never see a psycopg or SQLAlchemy exception type.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import datetime as dt
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 import psycopg.errors
+from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
+from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
 from pgq.connect import first_line
 from pgq.errors import BadDsn, DatabaseUnavailable, PgqError, SchemaMissing
+from pgq.message import Message
+from pgq.sql import claim as claim_sql
+from pgq.sql import frontier as frontier_sql
+from pgq.sql import members as member_sql
+from pgq.sql import outcomes as outcome_sql
+
+if TYPE_CHECKING:
+    from pgq.consumer.model import Claimed, Outcome
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # SQLSTATE classes that mean "the server or the connection is gone or refusing":
 # 08 connection exception, 57P01-57P03 shutdown/cannot connect now, 53 resources.
@@ -55,3 +75,265 @@ def wrap_errors() -> Iterator[None]:
         if mapped is None:
             raise
         raise mapped from e
+
+
+class RoleConnection:
+    """The one connection a consumer thread role owns.
+
+    `run(fn)` calls `fn(conn)` inside a transaction. When the database is
+    unreachable the connection is thrown away (the next call opens a new one)
+    and `DatabaseUnavailable` is raised; `retrying(fn)` retries that with
+    exponential backoff until it works or `stop` is set.
+    """
+
+    def __init__(self, engine: Engine, role: str, stop: threading.Event) -> None:
+        self.engine = engine
+        self.role = role
+        self.stop = stop
+        self._conn: Connection | None = None
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(conn, *args)` in one transaction on this role's connection."""
+        try:
+            with wrap_errors():
+                if self._conn is None:
+                    self._conn = self.engine.connect()
+                with self._conn.begin():
+                    return fn(self._conn, *args)
+        except DatabaseUnavailable:
+            self._discard()
+            raise
+
+    def retrying(self, fn: Callable[..., T], *args: Any) -> T:
+        """`run(fn, *args)`, retried with backoff while the database is unavailable.
+
+        Gives up (re-raising) once the role's stop event is set.
+        """
+        gate = self.stop
+        retryer = Retrying(
+            retry=retry_if_exception_type(DatabaseUnavailable),
+            wait=wait_exponential(multiplier=0.1, max=5.0),
+            stop=lambda state: gate.is_set(),
+            sleep=lambda seconds: gate.wait(seconds) and None,
+            before_sleep=lambda state: logger.warning(
+                "database unavailable role=%s attempt=%d error=%s",
+                self.role,
+                state.attempt_number,
+                state.outcome.exception() if state.outcome else None,
+            ),
+            reraise=True,
+        )
+        return retryer(self.run, fn, *args)
+
+    def _discard(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        with contextlib.suppress(Exception):
+            conn.invalidate()
+        with contextlib.suppress(Exception):
+            conn.close()
+
+    def close(self) -> None:
+        """Return the connection (if any) to the pool."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+ERROR_TEXT_MAX = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class DrainState:
+    """What stands between a member and an empty group (see `sql.members.drain_state`)."""
+
+    ready_now: int
+    waiting_retry: int
+    held: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """Rows one sweep took back from expired leases."""
+
+    reclaimed: int
+    dead: int
+
+
+class GroupStore:
+    """The consumer's statements for one group and member, run on a role's connection."""
+
+    def __init__(
+        self, gid: int, group: str, topic: str, member: str, lease: float, max_reclaims: int
+    ) -> None:
+        self.gid = gid
+        self.group = group
+        self.topic = topic
+        self.member = member
+        self.lease = dt.timedelta(seconds=lease)
+        self.max_reclaims = max_reclaims
+
+    # -- claim path ---------------------------------------------------------
+
+    def claim(self, conn: Connection, limit: int, epoch: int) -> list[Claimed]:
+        """Lease up to `limit` ready rows to this member."""
+        from pgq.consumer.model import Claimed
+
+        rows = conn.execute(
+            claim_sql.claim(),
+            {"gid": self.gid, "limit": limit, "member": self.member, "lease": self.lease},
+        ).all()
+        group, topic = self.group, self.topic
+        return [
+            Claimed(
+                Message(r[0], topic, group, r[7], r[8], r[9], r[2] + 1, r[10]), r[1], r[2], epoch
+            )
+            for r in rows
+        ]
+
+    def extend(self, conn: Connection, leases: list[tuple[int, int]]) -> set[int]:
+        """Extend the given leases; returns the ids still held."""
+        ids, seqs = _split(leases)
+        rows = conn.execute(
+            claim_sql.extend_leases(),
+            {"gid": self.gid, "ids": ids, "seqs": seqs, "member": self.member, "lease": self.lease},
+        )
+        return {r[0] for r in rows}
+
+    def release(self, conn: Connection, leases: list[tuple[int, int]]) -> int:
+        """Hand unstarted leased rows back to ready, uncharged; returns how many."""
+        if not leases:
+            return 0
+        ids, seqs = _split(leases)
+        n = len(
+            conn.execute(claim_sql.release(), {"gid": self.gid, "ids": ids, "seqs": seqs}).all()
+        )
+        if n:
+            conn.execute(claim_sql.count_released(), {"gid": self.gid, "n": n})
+        return n
+
+    def sweep(self, conn: Connection, limit: int = 1000) -> Sweep:
+        """Reclaim rows whose lease expired without an outcome."""
+        rows = conn.execute(
+            claim_sql.sweep_expired(),
+            {"gid": self.gid, "limit": limit, "max_reclaims": self.max_reclaims},
+        ).all()
+        if rows:
+            conn.execute(claim_sql.count_reclaimed(), {"gid": self.gid, "n": len(rows)})
+        return Sweep(len(rows), sum(1 for r in rows if r[1] == "dead"))
+
+    # -- outcomes -----------------------------------------------------------
+
+    def record(self, conn: Connection, outcomes: list[Outcome]) -> set[int]:
+        """Write a batch of outcomes in this transaction; returns the ids applied."""
+        done = [o.claimed.lease for o in outcomes if o.kind == "done"]
+        failed = [o for o in outcomes if o.kind != "done"]
+        applied: set[int] = set()
+        if done:
+            ids, seqs = _split(done)
+            params = {"gid": self.gid, "ids": ids, "seqs": seqs, "member": self.member}
+            rows = conn.execute(outcome_sql.ack_done(), params)
+            applied.update(r[0] for r in rows)
+        if failed:
+            params = {
+                "gid": self.gid,
+                "member": self.member,
+                "ids": [o.claimed.id for o in failed],
+                "seqs": [o.claimed.seq for o in failed],
+                "states": ["dead" if o.kind == "dead" else "ready" for o in failed],
+                "charges": [0 if o.kind == "snooze" else 1 for o in failed],
+                "delays": [o.delay for o in failed],
+                "classes": [o.error_class for o in failed],
+                "errors": [(o.error or "")[:ERROR_TEXT_MAX] for o in failed],
+                "epochs": [o.claimed.epoch for o in failed],
+            }
+            applied.update(r[0] for r in conn.execute(outcome_sql.record_failures(), params))
+        return applied
+
+    # -- frontier and housekeeping -------------------------------------------
+
+    def advance_frontier(self, conn: Connection) -> int | None:
+        """Advance the committed frontier as far as it may go; returns rows pruned,
+        or None when another member holds the group row right now."""
+        frontier = conn.execute(frontier_sql.lock_group(), {"gid": self.gid}).one_or_none()
+        if frontier is None:
+            return None
+        here = {"gid": self.gid, "cx": frontier[0], "cid": frontier[1] or 0}
+        stop = conn.execute(frontier_sql.first_unresolved(), here).one_or_none()
+        if stop is None:
+            new = conn.execute(frontier_sql.last_committed(), here).one_or_none()
+        else:
+            new = conn.execute(
+                frontier_sql.last_resolved(), {**here, "ux": stop[0], "uid": stop[1]}
+            ).one_or_none()
+        if new is None:
+            return 0
+        return int(
+            conn.execute(frontier_sql.advance(), {**here, "nx": new[0], "nid": new[1]}).scalar()
+            or 0
+        )
+
+    def prune_behind(self, conn: Connection) -> int:
+        """Prune done rows that finished behind the frontier after it passed them."""
+        return int(conn.execute(frontier_sql.prune_behind(), {"gid": self.gid}).scalar() or 0)
+
+    def expire_messages(self, conn: Connection, topic_id: int, retention: float) -> int:
+        """Delete one batch of messages past retention that no group still holds."""
+        rows = conn.execute(
+            frontier_sql.delete_expired_messages(),
+            {"topic_id": topic_id, "retention": dt.timedelta(seconds=retention), "limit": 5000},
+        ).all()
+        return len(rows)
+
+    # -- membership -----------------------------------------------------------
+
+    def join(self, conn: Connection, ttl: float) -> bool:
+        """Register this member; False when a live member already has the name."""
+        row = conn.execute(
+            member_sql.join(),
+            {
+                "gid": self.gid,
+                "member": self.member,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "ttl": dt.timedelta(seconds=ttl),
+            },
+        ).one_or_none()
+        return row is not None
+
+    def heartbeat(self, conn: Connection, local: str, tripped_epoch: int | None) -> tuple[str, int]:
+        """Record liveness and local breaker state; returns (group state, epoch)."""
+        row = conn.execute(
+            member_sql.heartbeat(),
+            {
+                "gid": self.gid,
+                "member": self.member,
+                "local": local,
+                "tripped_epoch": tripped_epoch,
+            },
+        ).one()
+        return str(row[0]), int(row[1])
+
+    def leave(self, conn: Connection) -> None:
+        """Mark this member as gone."""
+        conn.execute(member_sql.leave(), {"gid": self.gid, "member": self.member})
+
+    def drain_state(self, conn: Connection, ttl: float) -> DrainState:
+        """Rows ready now, waiting for retry, and leased by us or by silent members."""
+        row = conn.execute(
+            member_sql.drain_state(),
+            {"gid": self.gid, "member": self.member, "ttl": dt.timedelta(seconds=ttl)},
+        ).one()
+        return DrainState(int(row[0]), int(row[1]), int(row[2]))
+
+
+def _split(leases: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    return [lease[0] for lease in leases], [lease[1] for lease in leases]
+
+
+def run_once(engine: Engine, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(conn, *args)` in one transaction on a pooled connection."""
+    with wrap_errors(), engine.begin() as conn:
+        return fn(conn, *args)

@@ -92,7 +92,6 @@ def extend_leases() -> Executable:
             d.c.group_id == bindparam("gid"),
             d.c.message_id == held.c.message_id,
             d.c.lease_seq == held.c.seq,
-            d.c.state == t.LEASED,
             d.c.lease_owner == bindparam("member"),
         )
         .values(lease_expires_at=func.now() + bindparam("lease", type_=Interval))
@@ -110,7 +109,7 @@ def release() -> Executable:
             d.c.group_id == bindparam("gid"),
             d.c.message_id == held.c.message_id,
             d.c.lease_seq == held.c.seq,
-            d.c.state == t.LEASED,
+            d.c.lease_owner == bindparam("member"),
         )
         .values(state=t.READY, lease_owner=None, lease_expires_at=None, updated_at=func.now())
         .returning(d.c.message_id)

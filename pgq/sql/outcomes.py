@@ -1,7 +1,10 @@
 """Statements that record attempt outcomes, fenced on the lease.
 
-An outcome applies only where the row is still leased under the same
-`lease_seq` it was claimed with; a member that lost its lease (paused past it,
+An outcome applies only where the row is still leased to this member under
+the same `lease_seq` it was claimed with (every state change away from
+`leased` clears `lease_owner`, so owner + seq is the whole fence, and the
+statements need no `state` test that would tempt the planner into the
+partial lease-sweep index); a member that lost its lease (paused past it,
 reclaimed by someone else) writes nothing. Both statements return the ids
 they applied to, so the caller knows which outcomes were refused.
 """
@@ -46,7 +49,7 @@ def ack_done() -> Executable:
             d.c.group_id == bindparam("gid"),
             d.c.message_id == held.c.message_id,
             d.c.lease_seq == held.c.seq,
-            d.c.state == t.LEASED,
+            d.c.lease_owner == bindparam("member"),
         )
         .values(
             state=t.DONE,
@@ -91,7 +94,7 @@ def record_failures() -> Executable:
             d.c.group_id == bindparam("gid"),
             d.c.message_id == o.c.message_id,
             d.c.lease_seq == o.c.seq,
-            d.c.state == t.LEASED,
+            d.c.lease_owner == bindparam("member"),
         )
         .values(
             state=o.c.state,

@@ -1,0 +1,76 @@
+"""The acker thread: writes outcomes in batches, one transaction per batch.
+
+Outcomes that cannot be written because the database is away stay in memory
+and are written when it is back. An outcome the database refuses (the lease
+was lost: another member reclaimed the row) is logged and dropped: the
+reclaimer's outcome stands.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from pgq.consumer.member import Member
+from pgq.consumer.model import Outcome
+from pgq.errors import DatabaseUnavailable
+from pgq.store import RoleConnection
+
+logger = logging.getLogger("pgq.consumer")
+
+
+class Acker(threading.Thread):
+    """Drains the outcome queue into batched, fenced writes."""
+
+    def __init__(self, member: Member, outcomes: queue.SimpleQueue[Outcome]) -> None:
+        super().__init__(name="pgq-acker", daemon=True)
+        self.member = member
+        self.outcomes = outcomes
+        self.finish = threading.Event()
+        """Set once no more outcomes will come: flush and leave."""
+        self.unwritten = 0
+
+    def run(self) -> None:
+        m = self.member
+        conn = RoleConnection(m.engine, "acker", m.halt)
+        batch_size = m.settings.batch_size
+        pending: list[Outcome] = []
+        try:
+            while True:
+                if not pending:
+                    try:
+                        pending.append(self.outcomes.get(timeout=0.1))
+                    except queue.Empty:
+                        if self.finish.is_set():
+                            return
+                        continue
+                while len(pending) < batch_size:
+                    try:
+                        pending.append(self.outcomes.get_nowait())
+                    except queue.Empty:
+                        break
+                try:
+                    applied = conn.retrying(m.store.record, pending)
+                except DatabaseUnavailable:
+                    self.unwritten = len(pending) + self.outcomes.qsize()
+                    logger.error("outcomes not written count=%d (database away)", self.unwritten)
+                    return
+                self._settle(pending, applied)
+                pending = []
+        finally:
+            conn.close()
+
+    def _settle(self, written: list[Outcome], applied: set[int]) -> None:
+        m = self.member
+        refused = [o for o in written if o.claimed.id not in applied]
+        for o in refused:
+            logger.warning(
+                "outcome refused id=%d outcome=%s reason=lease lost (reclaimed by another member)",
+                o.claimed.id,
+                o.kind,
+            )
+        m.let_go([o.claimed.id for o in written])
+        with m.lock:
+            m.outcomes_pending -= len(written)
+            m.tally.refused += len(refused)

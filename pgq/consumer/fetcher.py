@@ -1,0 +1,136 @@
+"""The fetcher thread: claims batches of ready rows into the buffered-claim pool.
+
+It claims only what the pool has room for (never more than `prefetch`
+unstarted rows, at most `batch_size` per statement) and, when the group has
+nothing ready, waits on LISTEN for a publisher's NOTIFY with a poll fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+
+import psycopg
+from psycopg import sql
+
+from pgq.consumer.member import Member
+from pgq.errors import DatabaseUnavailable
+from pgq.sql.publish import notify_channel
+from pgq.store import RoleConnection
+
+logger = logging.getLogger("pgq.consumer")
+
+DRAIN_RECHECK = 0.2
+"""Seconds between checks while `until_empty` waits for other leases to expire."""
+
+
+class Listener:
+    """A LISTEN connection for the schema's publish channel (autocommit, outside the pool)."""
+
+    def __init__(self, conninfo: str, schema: str, topic: str) -> None:
+        self.conninfo = conninfo
+        self.channel = notify_channel(schema)
+        self.topic = topic
+        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+
+    def _connect(self) -> psycopg.Connection[tuple[object, ...]] | None:
+        if self._conn is None:
+            try:
+                conn = psycopg.connect(self.conninfo, autocommit=True, connect_timeout=5)
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(self.channel)))
+                self._conn = conn
+            except psycopg.Error as exc:
+                logger.warning("listen unavailable, polling instead error=%s", exc)
+        return self._conn
+
+    def wait(self, timeout: float, stop: threading.Event) -> bool:
+        """Wait up to `timeout` for a publish to this topic; True if one came."""
+        conn = self._connect()
+        if conn is None:
+            stop.wait(timeout)
+            return False
+        try:
+            for note in conn.notifies(timeout=timeout):
+                if note.payload == self.topic:
+                    return True
+        except psycopg.Error:
+            self.close()
+        return False
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+class Fetcher(threading.Thread):
+    """Keeps the pool filled while the gates allow it."""
+
+    def __init__(
+        self,
+        member: Member,
+        listener: Listener,
+        gate_open: Callable[[], bool],
+        epoch: Callable[[], int],
+    ) -> None:
+        super().__init__(name=f"pgq-fetcher-{member.store.group}", daemon=True)
+        self.member = member
+        self.listener = listener
+        self.gate_open = gate_open
+        self.epoch = epoch
+        self.wake = threading.Event()
+        """Set by other threads to make an idle fetcher claim at once."""
+
+    def run(self) -> None:
+        m = self.member
+        conn = RoleConnection(m.engine, "fetcher", m.stop_claiming)
+        capacity = m.pool.capacity
+        want = max(1, min(m.settings.batch_size, capacity) // 2)
+        try:
+            while not m.stop_claiming.is_set():
+                if not self.gate_open():
+                    self.wake.wait(0.2)
+                    self.wake.clear()
+                    continue
+                free = m.pool.wait_for_space(want, timeout=0.5)
+                budget = m.budget()
+                limit = min(m.settings.batch_size, free, budget if budget is not None else free)
+                if limit <= 0 or m.stop_claiming.is_set():
+                    continue
+                try:
+                    rows = conn.retrying(m.store.claim, limit, self.epoch())
+                except DatabaseUnavailable:
+                    break
+                if rows:
+                    m.hold(rows)
+                    m.pool.put_many(rows)
+                    continue
+                if m.until_empty:
+                    if self._drained(conn):
+                        m.request_stop("empty")
+                        break
+                    self.listener.wait(DRAIN_RECHECK, m.stop_claiming)
+                    continue
+                self.wake.clear()
+                self.listener.wait(m.settings.poll_interval, m.stop_claiming)
+        finally:
+            self.listener.close()
+            conn.close()
+
+    def _drained(self, conn: RoleConnection) -> bool:
+        """True when nothing is ready now and nothing is leased but by other live members."""
+        m = self.member
+        if not m.idle() or len(m.pool):
+            return False
+        try:
+            swept = conn.retrying(m.store.sweep)
+            state = conn.retrying(m.store.drain_state, m.settings.breaker_member_ttl)
+        except DatabaseUnavailable:
+            return False
+        if swept.reclaimed:
+            with m.lock:
+                m.tally.reclaimed += swept.reclaimed
+        return state.ready_now == 0 and state.held == 0 and m.idle()

@@ -1,0 +1,112 @@
+"""The heartbeat/maintenance thread: periodic tasks on the member's own connection.
+
+Heartbeats, lease extension, the expired-lease sweep, the frontier advance,
+pruning, retention and the handler-timeout watchdog run as small task objects
+(psycopg_pool's maintenance style): a task that fails logs and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pgq.consumer.member import Member
+from pgq.errors import DatabaseUnavailable
+from pgq.store import RoleConnection
+
+logger = logging.getLogger("pgq.consumer")
+
+
+@dataclass(slots=True)
+class Task:
+    """A periodic job: `run()` every `interval` seconds."""
+
+    name: str
+    interval: float
+    run: Callable[[], object]
+    due: float = 0.0
+    failing: bool = False
+
+
+class Maintenance(threading.Thread):
+    """Runs the member's periodic tasks until `finish` is set."""
+
+    def __init__(self, member: Member, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(name="pgq-maintenance", daemon=True)
+        self.member = member
+        self.clock = clock
+        self.finish = threading.Event()
+        self.conn = RoleConnection(member.engine, "maintenance", self.finish)
+        self.tasks: list[Task] = []
+
+    def add(self, name: str, interval: float, run: Callable[[], object]) -> None:
+        """Schedule `run` every `interval` seconds (first run at once)."""
+        self.tasks.append(Task(name, interval, run))
+
+    def run(self) -> None:
+        try:
+            while not self.finish.is_set():
+                now = self.clock()
+                for task in self.tasks:
+                    if now >= task.due:
+                        self._run_task(task)
+                        task.due = self.clock() + task.interval
+                next_due = min((t.due for t in self.tasks), default=now + 1.0)
+                self.finish.wait(max(0.0, min(1.0, next_due - self.clock())))
+        finally:
+            self.conn.close()
+
+    def _run_task(self, task: Task) -> None:
+        try:
+            task.run()
+        except DatabaseUnavailable as exc:
+            if not task.failing:
+                logger.warning("maintenance task failed task=%s error=%s", task.name, exc)
+            task.failing = True
+            return
+        except Exception:
+            logger.exception("maintenance task failed task=%s", task.name)
+            task.failing = True
+            return
+        if task.failing:
+            logger.info("maintenance task recovered task=%s", task.name)
+        task.failing = False
+
+    # -- the standard tasks ---------------------------------------------------
+
+    def extend_leases(self) -> None:
+        """Keep the leases of every held row (buffered or running) alive."""
+        m = self.member
+        leases = m.leases()
+        if not leases:
+            return
+        kept = self.conn.run(m.store.extend, leases)
+        lost = [lease[0] for lease in leases if lease[0] not in kept]
+        if lost:
+            # written meanwhile (fine) or reclaimed by someone else (fenced)
+            with m.lock:
+                still_held = [mid for mid in lost if mid in m.held]
+            if still_held:
+                logger.debug("leases no longer held ids=%s", still_held[:20])
+
+    def sweep(self) -> None:
+        """Reclaim rows whose lease expired without an outcome."""
+        m = self.member
+        swept = self.conn.run(m.store.sweep)
+        if swept.reclaimed:
+            logger.info("reclaimed expired leases count=%d dead=%d", swept.reclaimed, swept.dead)
+            with m.lock:
+                m.tally.reclaimed += swept.reclaimed
+
+    def advance_frontier(self) -> None:
+        self.conn.run(self.member.store.advance_frontier)
+
+    def prune(self) -> None:
+        self.conn.run(self.member.store.prune_behind)
+
+    def expire_messages(self) -> None:
+        m = self.member
+        self.conn.run(m.store.expire_messages, m.topic_id, m.settings.retention)

@@ -1,0 +1,122 @@
+"""State one consumer member shares between its threads."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+
+from pgq.classify import Classification
+from pgq.consumer.model import Claimed, Outcome
+from pgq.consumer.pool import ClaimPool
+from pgq.message import Message, StopReason
+from pgq.settings import Settings
+from pgq.store import GroupStore
+
+logger = logging.getLogger("pgq.consumer")
+
+
+@dataclass
+class Tally:
+    """Running counts for the run summary (guarded by the member's lock)."""
+
+    handled: int = 0
+    done: int = 0
+    retried: int = 0
+    dead: int = 0
+    released: int = 0
+    reclaimed: int = 0
+    refused: int = 0
+
+
+@dataclass
+class Member:
+    """Everything a member's threads share: settings, the store, the pool, the
+    rows it holds, the stop signals and the running counts."""
+
+    engine: Engine
+    settings: Settings
+    store: GroupStore
+    handler: Callable[[Message], Any]
+    classify: Callable[[BaseException], Classification]
+    topic_id: int
+    pool: ClaimPool[Claimed]
+    until_empty: bool = False
+    max_messages: int | None = None
+    stop_claiming: threading.Event = field(default_factory=threading.Event)
+    """Set first on shutdown: the fetcher claims nothing more."""
+    stopping: threading.Event = field(default_factory=threading.Event)
+    """Set when a stop was asked for (by `stop()`, a limit, or an empty group)."""
+    halt: threading.Event = field(default_factory=threading.Event)
+    """Set last: database retries give up, every thread leaves."""
+    stop_reason: StopReason | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    held: dict[int, Claimed] = field(default_factory=dict)
+    """Rows this member holds a lease on (buffered or running), by message id."""
+    tally: Tally = field(default_factory=Tally)
+    outcomes_pending: int = 0
+    """Outcomes handed to the acker and not yet written."""
+
+    @property
+    def name(self) -> str:
+        return self.store.member
+
+    def request_stop(self, reason: StopReason) -> None:
+        """Ask the member to stop; the first reason given wins."""
+        with self.lock:
+            if self.stop_reason is None:
+                self.stop_reason = reason
+        self.stopping.set()
+        self.stop_claiming.set()
+        self.pool.wake()
+
+    def hold(self, rows: list[Claimed]) -> None:
+        """Remember freshly claimed rows (their leases are extended until written)."""
+        with self.lock:
+            for row in rows:
+                self.held[row.id] = row
+
+    def let_go(self, ids: list[int]) -> None:
+        """Forget rows whose outcome was written or that were released."""
+        with self.lock:
+            for mid in ids:
+                self.held.pop(mid, None)
+
+    def leases(self) -> list[tuple[int, int]]:
+        """The (id, seq) of every row this member holds."""
+        with self.lock:
+            return [row.lease for row in self.held.values()]
+
+    def budget(self) -> int | None:
+        """How many more rows may be claimed under `max_messages` (None: no limit)."""
+        if self.max_messages is None:
+            return None
+        with self.lock:
+            return max(0, self.max_messages - self.tally.handled - len(self.held))
+
+    def idle(self) -> bool:
+        """Nothing buffered, running or waiting to be written."""
+        with self.lock:
+            return not self.held and self.outcomes_pending == 0
+
+    def count_outcome(self, outcome: Outcome) -> None:
+        """Count a finished attempt or snooze as the workers report it."""
+        with self.lock:
+            self.outcomes_pending += 1
+            if outcome.kind == "snooze":
+                self.tally.retried += 1
+                return
+            self.tally.handled += 1
+            if outcome.kind == "done":
+                self.tally.done += 1
+            elif outcome.kind == "dead":
+                self.tally.dead += 1
+            else:
+                self.tally.retried += 1
+            reached = self.max_messages is not None and self.tally.handled >= self.max_messages
+        if reached:
+            self.request_stop("max_messages")
