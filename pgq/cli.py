@@ -555,6 +555,16 @@ def server_stop(timeout: float) -> None:
     click.echo("stopped" if embedded.stop(timeout=timeout) else "not running")
 
 
+def _register_commands() -> None:
+    """Commands that live in their own modules (they import this one)."""
+    from pgq.cli_consume import consume
+
+    cli.add_command(consume)
+
+
+_register_commands()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """The console entry point."""
     cli.main(args=list(argv) if argv is not None else None, prog_name="pgq")

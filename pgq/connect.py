@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy.pool import NullPool
 
 from pgq.errors import BadDsn, ConfigError
 from pgq.schema import SCHEMA_PLACEHOLDER
@@ -57,7 +58,7 @@ def connect(
     dsn: str | None = None,
     *,
     schema: str | None = None,
-    pool_size: int = 10,
+    pool_size: int | None = 10,
     **engine_kwargs: Any,
 ) -> Engine:
     """Return a SQLAlchemy `Engine` for pgq.
@@ -65,17 +66,19 @@ def connect(
     `dsn` is a libpq URL (`postgresql://user@host/db`) or key=value string
     (`host=... dbname=...`). Without it, `$PGQ_DSN` is used, else the embedded
     server under `$PGQ_HOME` is started (or reused). No connection is opened
-    here; the first statement opens one.
+    here; the first statement opens one. `pool_size=None` makes an engine
+    without a pool: every connection is opened and closed for its user.
     """
     conninfo = resolve_dsn(dsn)
     check_dsn(conninfo)
     name = resolve_schema(schema)
+    if pool_size is None:
+        engine_kwargs["poolclass"] = NullPool
+    else:
+        engine_kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
     engine = create_engine(
         "postgresql+psycopg://",
         connect_args=psycopg.conninfo.conninfo_to_dict(conninfo),
-        pool_size=pool_size,
-        max_overflow=pool_size,
-        pool_pre_ping=True,
         **engine_kwargs,
     )
     return engine.execution_options(

@@ -14,6 +14,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
@@ -25,6 +26,7 @@ from tenacity import Retrying, retry_if_exception_type, wait_exponential
 from pgq.connect import first_line
 from pgq.errors import BadDsn, DatabaseUnavailable, PgqError, SchemaMissing
 from pgq.message import Message
+from pgq.sql import breaker as breaker_sql
 from pgq.sql import claim as claim_sql
 from pgq.sql import frontier as frontier_sql
 from pgq.sql import members as member_sql
@@ -155,6 +157,19 @@ class DrainState:
 
 
 @dataclass(frozen=True, slots=True)
+class BreakerView:
+    """The group breaker as stored: state, epoch, whether a probe is due, and any
+    reconciliation still owed (`reconcile_epoch`, refunding from `reconcile_from`)."""
+
+    state: str
+    epoch: int
+    probe_due: bool
+    reconcile_epoch: int | None
+    reconcile_from: int | None
+    probe_failures: int
+
+
+@dataclass(frozen=True, slots=True)
 class Sweep:
     """Rows one sweep took back from expired leases."""
 
@@ -179,12 +194,26 @@ class GroupStore:
 
     def claim(self, conn: Connection, limit: int, epoch: int) -> list[Claimed]:
         """Lease up to `limit` ready rows to this member."""
+        params = {"gid": self.gid, "limit": limit, "member": self.member, "lease": self.lease}
+        return self._claimed(conn.execute(claim_sql.claim(), params).all(), epoch)
+
+    def claim_probe(self, conn: Connection, epoch: int) -> Claimed | None:
+        """Lease the group probe: a ready row (due soonest), else the oldest dead systemic row."""
+        params = {"gid": self.gid, "member": self.member, "lease": self.lease}
+        rows = conn.execute(breaker_sql.claim_probe_ready(), params).all()
+        if not rows:
+            rows = conn.execute(breaker_sql.claim_probe_dead(), params).all()
+        claimed = self._claimed(rows, epoch)
+        return claimed[0] if claimed else None
+
+    def probe_done(self, conn: Connection, row: Claimed) -> bool:
+        """Write a successful group probe (refunding its systemic charges)."""
+        params = {"gid": self.gid, "id": row.id, "seq": row.seq, "member": self.member}
+        return conn.execute(breaker_sql.probe_done(), params).one_or_none() is not None
+
+    def _claimed(self, rows: Any, epoch: int) -> list[Claimed]:
         from pgq.consumer.model import Claimed
 
-        rows = conn.execute(
-            claim_sql.claim(),
-            {"gid": self.gid, "limit": limit, "member": self.member, "lease": self.lease},
-        ).all()
         group, topic = self.group, self.topic
         return [
             Claimed(
@@ -251,6 +280,56 @@ class GroupStore:
             }
             applied.update(r[0] for r in conn.execute(outcome_sql.record_failures(), params))
         return applied
+
+    # -- group breaker --------------------------------------------------------
+
+    def breaker(self, conn: Connection) -> BreakerView:
+        """The group breaker row."""
+        r = conn.execute(breaker_sql.state(), {"gid": self.gid}).one()
+        return BreakerView(str(r[0]), int(r[1]), bool(r[2]), r[3], r[4], int(r[5]))
+
+    def open_on_quorum(self, conn: Connection, epoch: int, s: Any) -> int | None:
+        """Open the group if the quorum of live tripped members is there; the new epoch."""
+        return conn.execute(
+            breaker_sql.open_on_quorum(),
+            {
+                "gid": self.gid,
+                "epoch": epoch,
+                "member": self.member,
+                "ttl": dt.timedelta(seconds=s.breaker_member_ttl),
+                "min_members": s.breaker_min_members,
+                "quorum": Decimal(str(s.breaker_quorum)),
+            },
+        ).scalar()
+
+    def set_prober(self, conn: Connection) -> None:
+        conn.execute(breaker_sql.set_prober(), {"gid": self.gid, "member": self.member})
+
+    def probe_failed(self, conn: Connection, epoch: int, delay: float) -> int | None:
+        """Back the next probe off by `delay`; returns the consecutive failure count."""
+        params = {"gid": self.gid, "epoch": epoch, "delay": dt.timedelta(seconds=delay)}
+        return conn.execute(breaker_sql.probe_failed(), params).scalar()
+
+    def close(self, conn: Connection, epoch: int) -> int | None:
+        """Close the group if still OPEN at `epoch`; returns the close epoch."""
+        params = {"gid": self.gid, "epoch": epoch, "member": self.member}
+        return conn.execute(breaker_sql.close(), params).scalar()
+
+    def reconcile_batch(
+        self, conn: Connection, close_epoch: int, from_epoch: int, max_refunds: int, limit: int
+    ) -> int:
+        """Refund one batch of systemic rows for this close; returns how many."""
+        params = {
+            "gid": self.gid,
+            "close_epoch": close_epoch,
+            "from_epoch": from_epoch,
+            "max_refunds": max_refunds,
+            "limit": limit,
+        }
+        return int(conn.execute(breaker_sql.reconcile_batch(), params).scalar() or 0)
+
+    def reconcile_done(self, conn: Connection, close_epoch: int) -> None:
+        conn.execute(breaker_sql.reconcile_done(), {"gid": self.gid, "close_epoch": close_epoch})
 
     # -- frontier and housekeeping -------------------------------------------
 

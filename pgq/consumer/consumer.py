@@ -19,21 +19,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from pgq.classify import make_classifier
 from pgq.connect import conninfo_of, schema_of
 from pgq.consumer.acker import Acker
 from pgq.consumer.fetcher import Fetcher, Listener
+from pgq.consumer.gate import Gate
 from pgq.consumer.maintenance import Maintenance
 from pgq.consumer.member import Member
 from pgq.consumer.model import Claimed, Outcome
 from pgq.consumer.pool import ClaimPool
+from pgq.consumer.prober import Prober
 from pgq.consumer.workers import Workers
 from pgq.errors import DatabaseUnavailable, DuplicateMember, UsageError
 from pgq.message import Message, RunSummary, StopReason
 from pgq.settings import load_settings
-from pgq.store import GroupStore, run_once
+from pgq.store import BreakerView, GroupStore, run_once
 from pgq.topics import check_name, group_info
 
 logger = logging.getLogger("pgq.consumer")
@@ -132,6 +134,9 @@ class Consumer:
             )
         self._member = member
         self._grace = s.shutdown_grace
+        self._gate = Gate(s, self._gate_changed, self.clock)
+        view = run_once(self.engine, store.breaker)
+        self._gate.see_group(view.state, view.epoch)
         self._build_threads(member)
         logger.info(
             "member joined group=%s member=%s workers=%d prefetch=%d",
@@ -204,10 +209,24 @@ class Consumer:
     def _build_threads(self, member: Member) -> None:
         s = self.settings
         outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
-        workers = Workers(member, outcomes, self._admit, self.clock)
+        gate = self._gate
+
+        def report(outcome: Outcome) -> None:
+            gate.observe(outcome)
+            member.count_outcome(outcome)
+            outcomes.put(outcome)
+
+        def admit(row: Claimed) -> bool:
+            if gate.admit(row):
+                return True
+            member.defer(row)
+            self._gate_changed()
+            return False
+
+        workers = Workers(member, report, admit, self.clock)
         acker = Acker(member, outcomes)
         listener = Listener(conninfo_of(self.engine), schema_of(self.engine), member.store.topic)
-        fetcher = Fetcher(member, listener, self._gate_open, self._epoch)
+        fetcher = Fetcher(member, listener, gate, lambda rows: self._release(member, rows))
         maintenance = Maintenance(member, self.clock)
         maintenance.add("heartbeat", s.breaker_heartbeat, self._heartbeat)
         maintenance.add("extend-leases", max(0.05, s.lease / 3), maintenance.extend_leases)
@@ -227,21 +246,55 @@ class Consumer:
         maintenance.start()
         fetcher.start()
 
-    def _admit(self, row: Claimed) -> bool:
-        """Gate between the pool and an attempt."""
-        return True
-
-    def _gate_open(self) -> bool:
-        """Gate on the claim that fills the pool."""
-        return True
-
-    def _epoch(self) -> int:
-        return 0
+    def _gate_changed(self) -> None:
+        """A breaker changed: wake the fetcher (releases or resumes), heartbeat now."""
+        fetcher: Fetcher | None = self._threads.get("fetcher")
+        if fetcher is not None:
+            fetcher.wake.set()
+        maintenance: Maintenance | None = self._threads.get("maintenance")
+        if maintenance is not None:
+            maintenance.poke("heartbeat")
 
     def _heartbeat(self) -> None:
+        """Record liveness and the local breaker; open the group on quorum; follow it."""
         member = self._require_member()
+        gate, store, s = self._gate, member.store, self.settings
+        local, tripped = gate.local_report()
+
+        def beat(conn: Connection) -> tuple[BreakerView, int | None]:
+            store.heartbeat(conn, local, tripped)
+            view = store.breaker(conn)
+            if view.state == "CLOSED" and local == "open" and tripped == view.epoch:
+                return view, store.open_on_quorum(conn, view.epoch, s)
+            return view, None
+
         maintenance: Maintenance = self._threads["maintenance"]
-        maintenance.conn.run(member.store.heartbeat, "closed", None)
+        view, opened = maintenance.conn.run(beat)
+        if opened is not None:
+            logger.warning("group breaker opened by quorum group=%s epoch=%d", self.group, opened)
+            gate.see_group("OPEN", opened)
+        else:
+            gate.see_group(view.state, view.epoch)
+        if gate.group_open or view.reconcile_epoch is not None:
+            self._ensure_prober(member)
+
+    def _ensure_prober(self, member: Member) -> None:
+        prober: Prober | None = self._threads.get("prober")
+        if prober is not None and prober.is_alive():
+            return
+        if member.stopping.is_set():
+            return
+        prober = Prober(member, self._gate, one_shot=member.until_empty, clock=self.clock)
+        self._threads["prober"] = prober
+        prober.start()
+
+    def snapshot(self) -> RunSummary:
+        """The running counts so far (for metrics)."""
+        return self._snapshot(self._require_member(), 0)
+
+    def breaker_states(self) -> dict[str, bool]:
+        """Which breakers are open now, as this member sees them."""
+        return {"local_breaker": self._gate.local.is_open, "group_breaker": self._gate.group_open}
 
     def _release(self, member: Member, rows: list[Claimed]) -> int:
         """Hand unstarted rows back (no charge); returns how many were released."""
@@ -276,8 +329,11 @@ class Consumer:
         acker.join(max(1.0, deadline - time.monotonic()))
         member.halt.set()
         acker.join(5.0)
-        maintenance.finish.set()
+        maintenance.stop()
         maintenance.join(5.0)
+        prober: Prober | None = self._threads.get("prober")
+        if prober is not None:
+            prober.join(max(1.0, deadline - time.monotonic()))
         for name, thread in (("fetcher", fetcher), ("acker", acker)):
             if thread.is_alive():
                 logger.warning("thread overran shutdown thread=%s", name)

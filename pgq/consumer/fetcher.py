@@ -15,7 +15,9 @@ from collections.abc import Callable
 import psycopg
 from psycopg import sql
 
+from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member
+from pgq.consumer.model import Claimed
 from pgq.errors import DatabaseUnavailable
 from pgq.sql.publish import notify_channel
 from pgq.store import RoleConnection
@@ -73,14 +75,14 @@ class Fetcher(threading.Thread):
         self,
         member: Member,
         listener: Listener,
-        gate_open: Callable[[], bool],
-        epoch: Callable[[], int],
+        gate: Gate,
+        release: Callable[[list[Claimed]], int],
     ) -> None:
         super().__init__(name=f"pgq-fetcher-{member.store.group}", daemon=True)
         self.member = member
         self.listener = listener
-        self.gate_open = gate_open
-        self.epoch = epoch
+        self.gate = gate
+        self.release = release
         self.wake = threading.Event()
         """Set by other threads to make an idle fetcher claim at once."""
 
@@ -91,17 +93,27 @@ class Fetcher(threading.Thread):
         want = max(1, min(m.settings.batch_size, capacity) // 2)
         try:
             while not m.stop_claiming.is_set():
-                if not self.gate_open():
+                mode = "closed" if m.until_empty and self.gate.local.is_open else None
+                mode = mode or self.gate.claim_mode()
+                if mode != "normal":
+                    self.release(m.pool.drain() + m.take_deferred())
+                    if m.until_empty and self.gate.local.is_open:
+                        m.request_stop("breaker_open")  # a cron run retries later (exit 75)
+                        break
+                    if mode == "probe" and not self._probe(conn):
+                        break
                     self.wake.wait(0.2)
                     self.wake.clear()
                     continue
+                self.release(m.take_deferred())
                 free = m.pool.wait_for_space(want, timeout=0.5)
+                free = min(free, self.gate.ramp(capacity) - len(m.pool))
                 budget = m.budget()
                 limit = min(m.settings.batch_size, free, budget if budget is not None else free)
                 if limit <= 0 or m.stop_claiming.is_set():
                     continue
                 try:
-                    rows = conn.retrying(m.store.claim, limit, self.epoch())
+                    rows = conn.retrying(m.store.claim, limit, self.gate.epoch)
                 except DatabaseUnavailable:
                     break
                 if rows:
@@ -119,6 +131,22 @@ class Fetcher(threading.Thread):
         finally:
             self.listener.close()
             conn.close()
+
+    def _probe(self, conn: RoleConnection) -> bool:
+        """Claim one row as the local breaker's probe; False if the database went away."""
+        m = self.member
+        try:
+            rows = conn.retrying(m.store.claim, 1, self.gate.epoch)
+        except DatabaseUnavailable:
+            self.gate.probe_not_claimed()
+            return False
+        if not rows:
+            self.gate.probe_not_claimed()
+            return True
+        rows[0].probe = True
+        m.hold(rows)
+        m.pool.put_many(rows)
+        return True
 
     def _drained(self, conn: RoleConnection) -> bool:
         """True when nothing is ready now and nothing is leased but by other live members."""

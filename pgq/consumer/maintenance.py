@@ -39,6 +39,7 @@ class Maintenance(threading.Thread):
         self.member = member
         self.clock = clock
         self.finish = threading.Event()
+        self._poked = threading.Event()
         self.conn = RoleConnection(member.engine, "maintenance", self.finish)
         self.tasks: list[Task] = []
 
@@ -55,9 +56,22 @@ class Maintenance(threading.Thread):
                         self._run_task(task)
                         task.due = self.clock() + task.interval
                 next_due = min((t.due for t in self.tasks), default=now + 1.0)
-                self.finish.wait(max(0.0, min(1.0, next_due - self.clock())))
+                self._poked.wait(max(0.0, min(1.0, next_due - self.clock())))
+                self._poked.clear()
         finally:
             self.conn.close()
+
+    def poke(self, name: str) -> None:
+        """Run task `name` as soon as possible."""
+        for task in self.tasks:
+            if task.name == name:
+                task.due = 0.0
+        self._poked.set()
+
+    def stop(self) -> None:
+        """Leave after the current round."""
+        self.finish.set()
+        self._poked.set()
 
     def _run_task(self, task: Task) -> None:
         try:

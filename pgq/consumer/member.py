@@ -58,6 +58,8 @@ class Member:
     held: dict[int, Claimed] = field(default_factory=dict)
     """Rows this member holds a lease on (buffered or running), by message id."""
     tally: Tally = field(default_factory=Tally)
+    deferred: list[Claimed] = field(default_factory=list)
+    """Buffered rows a closed gate turned away at dispatch, waiting to be released."""
     outcomes_pending: int = 0
     """Outcomes handed to the acker and not yet written."""
 
@@ -86,6 +88,16 @@ class Member:
             for mid in ids:
                 self.held.pop(mid, None)
 
+    def defer(self, row: Claimed) -> None:
+        """A closed gate turned `row` away: release it with the next batch."""
+        with self.lock:
+            self.deferred.append(row)
+
+    def take_deferred(self) -> list[Claimed]:
+        with self.lock:
+            rows, self.deferred = self.deferred, []
+            return rows
+
     def leases(self) -> list[tuple[int, int]]:
         """The (id, seq) of every row this member holds."""
         with self.lock:
@@ -103,10 +115,11 @@ class Member:
         with self.lock:
             return not self.held and self.outcomes_pending == 0
 
-    def count_outcome(self, outcome: Outcome) -> None:
-        """Count a finished attempt or snooze as the workers report it."""
+    def count_outcome(self, outcome: Outcome, pending: bool = True) -> None:
+        """Count a finished attempt or snooze; `pending`: the acker still has to write it."""
         with self.lock:
-            self.outcomes_pending += 1
+            if pending:
+                self.outcomes_pending += 1
             if outcome.kind == "snooze":
                 self.tally.retried += 1
                 return

@@ -9,7 +9,6 @@ discarded.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -117,21 +116,16 @@ class Workers:
     def __init__(
         self,
         member: Member,
-        outcomes: queue.SimpleQueue[Outcome],
+        report: Callable[[Outcome], None],
         admit: Callable[[Claimed], bool],
         clock: Clock = time.monotonic,
     ) -> None:
         self.member = member
-        self.outcomes = outcomes
+        self.report = report
         self.admit = admit
         self.clock = clock
         self.threads: list[Worker] = []
         self._spawned = 0
-
-    def report(self, outcome: Outcome) -> None:
-        """Count an outcome and hand it to the acker."""
-        self.member.count_outcome(outcome)
-        self.outcomes.put(outcome)
 
     def spawn(self) -> Worker:
         self._spawned += 1

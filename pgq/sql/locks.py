@@ -22,3 +22,8 @@ def xact_lock(key: int) -> Select[tuple[None]]:
 def try_session_lock(key: int) -> Select[tuple[bool]]:
     """Try a session-level advisory lock; true when this session now holds it."""
     return select(func.pg_try_advisory_lock(key))
+
+
+def unlock_session(key: int) -> Select[tuple[bool]]:
+    """Release a session-level advisory lock."""
+    return select(func.pg_advisory_unlock(key))

@@ -1,0 +1,148 @@
+"""`pgq consume`: run one member of a group from the command line.
+
+Exit codes (DESIGN §7): 0 when it finished what it was asked (drained with
+`--until-empty`, reached a limit, or stopped by SIGTERM/SIGINT after a clean
+shutdown); 75 when `--until-empty` stopped because a breaker is open (or the
+database could not be reached within `lease` seconds); 2 on bad usage or
+configuration; 1 otherwise (a second signal, handlers that overran the grace).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import click
+
+from pgq.cli import State, pass_state
+from pgq.consumer import Consumer
+from pgq.errors import DatabaseUnavailable, HandlerImportError
+from pgq.settings import load_settings, parse_duration
+
+logger = logging.getLogger("pgq.cli")
+
+EX_TEMPFAIL = 75
+
+
+def load_handler(path: str) -> Callable[..., Any]:
+    """Import `module:function` (the current directory is importable, as with `python -m`)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise HandlerImportError(f"invalid handler {path!r}: use MODULE:FUNCTION")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise HandlerImportError(
+            f"cannot import handler module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from None
+    target: Any = module
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise HandlerImportError(f"handler {path!r}: {module_name} has no {attr!r}")
+    if not callable(target):
+        raise HandlerImportError(f"handler {path!r} is not callable")
+    return target  # type: ignore[no-any-return]
+
+
+def _duration(value: str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        seconds = parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--max-runtime") from None
+    if seconds <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--max-runtime")
+    return seconds
+
+
+def install_signal_handlers(consumer: Consumer) -> None:
+    """First SIGTERM/SIGINT: graceful stop. Second: release what we can, exit 1."""
+    count = 0
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal count
+        count += 1
+        if count == 1:
+            logger.info(
+                "stopping on signal=%s (again to exit at once)", signal.Signals(signum).name
+            )
+            consumer.request_stop("signal")
+            return
+        logger.warning("second signal: releasing unstarted rows and exiting")
+        consumer.abort()
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+@click.command()
+@click.argument("group")
+@click.option(
+    "--handler", "handler_path", required=True, help="MODULE:FUNCTION to call per message"
+)
+@click.option("--workers", type=click.IntRange(1), help="worker threads (default 8)")
+@click.option("--until-empty", is_flag=True, help="stop once the group has nothing ready")
+@click.option("--max-messages", type=click.IntRange(1), help="stop after N finished attempts")
+@click.option("--max-runtime", help="stop gracefully after this long (seconds or 5m, 1h...)")
+@click.option("--name", help="member name (default host:pid:random)")
+@click.option("--metrics-port", type=click.IntRange(1, 65535), help="serve Prometheus metrics")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    envvar="PGQ_CONFIG",
+    help="TOML config file ([consumer], [breaker])",
+)
+@pass_state
+def consume(
+    state: State,
+    group: str,
+    handler_path: str,
+    workers: int | None,
+    until_empty: bool,
+    max_messages: int | None,
+    max_runtime: str | None,
+    name: str | None,
+    metrics_port: int | None,
+    config_file: str | None,
+) -> None:
+    """Run a member of GROUP, calling the handler for each message."""
+    runtime = _duration(max_runtime)
+    settings = load_settings(config_file or state.config, overrides={"workers": workers})
+    handler = load_handler(handler_path)
+    consumer = Consumer(state.engine, group, handler, name=name, **settings.as_dict())
+    if metrics_port is not None:
+        from pgq.metrics import serve_metrics
+
+        serve_metrics(metrics_port, consumer)
+    install_signal_handlers(consumer)
+    try:
+        summary = consumer.run(
+            until_empty=until_empty, max_messages=max_messages, max_runtime=runtime
+        )
+    except DatabaseUnavailable as exc:
+        if until_empty:
+            click.echo(f"pgq: database unavailable, try later: {exc}", err=True)
+            sys.exit(EX_TEMPFAIL)
+        raise
+    click.echo(
+        f"handled={summary.handled} done={summary.done} retried={summary.retried} "
+        f"dead={summary.dead} released={summary.released} reclaimed={summary.reclaimed} "
+        f"waiting_retry={summary.waiting_retry} stop_reason={summary.stop_reason}",
+        err=True,
+    )
+    if summary.stop_reason == "breaker_open":
+        sys.exit(EX_TEMPFAIL)
+    if not consumer.clean:
+        sys.exit(1)

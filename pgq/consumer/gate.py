@@ -1,0 +1,149 @@
+"""The member's breaker gate: its local breaker plus what it knows of the group's.
+
+The gate answers two questions: may the fetcher claim (and how much), and may a
+buffered row start an attempt. While the local breaker or the group breaker is
+open, both answers are no, except for probes: one local probe at a time while
+only the local breaker is open, and none while the group is open (the group's
+prober is then the only traffic).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+from typing import Literal
+
+from pgq.breaker import LocalBreaker
+from pgq.consumer.model import Claimed, Outcome
+from pgq.settings import Settings
+
+logger = logging.getLogger("pgq.breaker")
+
+RAMP_SECONDS = 5.0
+"""After a group close, claims grow from one row to the full pool over this long."""
+
+ClaimMode = Literal["normal", "probe", "closed"]
+
+
+class Gate:
+    """Local breaker state, the group state last seen, and the gating decisions."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        on_change: Callable[[], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        s = settings
+        self.local = LocalBreaker(
+            window=s.breaker_window,
+            min_calls=s.breaker_min_calls,
+            failure_rate=s.breaker_failure_rate,
+            open_for=s.breaker_open_for,
+            open_for_max=s.breaker_open_for_max,
+            clock=clock,
+        )
+        self.clock = clock
+        self.on_change = on_change
+        self._lock = threading.Lock()
+        self.group_state = "CLOSED"
+        self.epoch = 0
+        self.tripped_epoch: int | None = None
+        self._closed_at: float | None = None
+
+    # -- what the threads ask ------------------------------------------------------
+
+    @property
+    def group_open(self) -> bool:
+        return self.group_state == "OPEN"
+
+    def is_open(self) -> bool:
+        """True while either breaker is open: claim nothing, start nothing."""
+        return self.group_open or self.local.is_open
+
+    def claim_mode(self) -> ClaimMode:
+        """How the fetcher may claim now: normally, one local probe, or not at all."""
+        if self.group_open:
+            return "closed"
+        if self.local.is_open:
+            return "probe" if self.local.try_probe() else "closed"
+        return "normal"
+
+    def ramp(self, capacity: int) -> int:
+        """The most rows to hold right after a group close (ramping up to `capacity`)."""
+        closed_at = self._closed_at
+        if closed_at is None:
+            return capacity
+        elapsed = self.clock() - closed_at
+        if elapsed >= RAMP_SECONDS:
+            self._closed_at = None
+            return capacity
+        return max(1, math.ceil(capacity * elapsed / RAMP_SECONDS))
+
+    def admit(self, row: Claimed) -> bool:
+        """May this buffered row start an attempt? Probes always may."""
+        return row.probe or not self.is_open()
+
+    # -- what the threads report ----------------------------------------------------
+
+    def observe(self, outcome: Outcome) -> None:
+        """Feed a finished attempt to the local breaker (workers call this)."""
+        row = outcome.claimed
+        systemic = outcome.error_class == "systemic"
+        if row.probe:
+            if outcome.kind == "snooze":
+                self.local.abandon_probe()
+            elif outcome.kind == "done":
+                self.local.probe_result("success")
+                logger.info("local breaker closed after a successful probe id=%d", row.id)
+                self.on_change()
+            elif systemic:
+                self.local.probe_result("systemic")
+                with self._lock:
+                    self.tripped_epoch = self.epoch
+                self.on_change()
+            else:
+                self.local.probe_result("inconclusive")
+            return
+        if outcome.kind == "snooze" or row.epoch != self.epoch or self.group_open:
+            return  # snoozes, attempts from an older epoch, and the open group do not count
+        if self.local.record(systemic):
+            with self._lock:
+                self.tripped_epoch = self.epoch
+            logger.warning(
+                "local breaker tripped epoch=%d trips=%d (systemic failures)",
+                self.epoch,
+                self.local.trips,
+            )
+            self.on_change()
+
+    def probe_not_claimed(self) -> None:
+        """The fetcher found no row for a local probe."""
+        self.local.abandon_probe()
+
+    def see_group(self, state: str, epoch: int) -> bool:
+        """Take in the group state read from the database; True if it changed."""
+        with self._lock:
+            if epoch == self.epoch and state == self.group_state:
+                return False
+            if epoch < self.epoch:
+                return False
+            was_open = self.group_state == "OPEN"
+            self.group_state, self.epoch = state, epoch
+        if state == "OPEN":
+            logger.warning("group breaker open epoch=%d", epoch)
+        elif was_open:
+            logger.info("group breaker closed epoch=%d", epoch)
+            self._closed_at = self.clock()
+            if self.local.is_open:
+                self.local.probe_now()  # re-verify ourselves at once; the close does not heal us
+        self.on_change()
+        return True
+
+    def local_report(self) -> tuple[str, int | None]:
+        """What the heartbeat records: ("open"|"closed", epoch of the trip)."""
+        with self._lock:
+            return self.local.state, self.tripped_epoch

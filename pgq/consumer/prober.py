@@ -1,0 +1,273 @@
+"""The prober thread: elected by an advisory lock while the group breaker is OPEN.
+
+Every member runs one while the group is OPEN (or a reconciliation is owed).
+It tries a session-level `pg_try_advisory_lock` on a dedicated connection
+outside any pool; the holder is the prober. The prober probes with a real
+message, closes the group on success (a conditional update on the epoch it
+saw: the lock only elects, it does not make writes safe), and reconciles
+(refunds the outage's systemic rows) in bounded batches. It checks its lock
+connection before every step and steps down at once on any error. If it dies,
+its connection drops, the lock frees itself and another member takes over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+
+from pgq.breaker import probe_delay
+from pgq.connect import connect, conninfo_of, schema_of
+from pgq.consumer.gate import Gate
+from pgq.consumer.member import Member
+from pgq.consumer.model import Claimed, Outcome
+from pgq.consumer.workers import failure_outcome
+from pgq.errors import DatabaseUnavailable
+from pgq.sql import breaker as breaker_sql
+from pgq.sql.locks import lock_key, try_session_lock, unlock_session
+from pgq.store import RoleConnection, wrap_errors
+
+logger = logging.getLogger("pgq.breaker")
+
+RECONCILE_BATCH = 5000
+
+
+class LostLock(Exception):
+    """The lock connection failed or no longer holds the probe lock."""
+
+
+def probe_lock_key(schema: str, group: str) -> int:
+    """The advisory lock key that elects the prober of `group` in `schema`."""
+    return lock_key(schema, "probe", group)
+
+
+class LockConnection:
+    """The prober's dedicated connection (autocommit, no pool) that holds the lock."""
+
+    def __init__(self, engine: Engine, key: int) -> None:
+        self.engine = connect(
+            conninfo_of(engine), schema=schema_of(engine), pool_size=None
+        ).execution_options(isolation_level="AUTOCOMMIT")
+        self.key = key
+        self.conn: Connection | None = None
+
+    def acquire(self) -> bool:
+        """Try to take the lock; False if another session holds it."""
+        with wrap_errors():
+            if self.conn is None:
+                self.conn = self.engine.connect()
+            return bool(self.conn.execute(try_session_lock(self.key)).scalar())
+
+    def check(self) -> None:
+        """Raise `LostLock` unless the connection answers and pg_locks shows the lock."""
+        try:
+            with wrap_errors():
+                assert self.conn is not None
+                held = self.conn.execute(breaker_sql.lock_held()).scalar()
+        except Exception as exc:
+            raise LostLock(str(exc)) from exc
+        if not held:
+            raise LostLock("the probe lock is no longer held")
+
+    def release(self) -> None:
+        """Unlock and close (closing alone would free the lock too)."""
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.execute(unlock_session(self.key))
+            with contextlib.suppress(Exception):
+                conn.close()
+        self.engine.dispose()
+
+
+class Prober(threading.Thread):
+    """Runs elections, probes, the close and the reconciliation for one member."""
+
+    def __init__(
+        self,
+        member: Member,
+        gate: Gate,
+        *,
+        one_shot: bool,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(name="pgq-prober", daemon=True)
+        self.member = member
+        self.gate = gate
+        self.one_shot = one_shot
+        self.clock = clock
+        self.done = threading.Event()
+        self.conn = RoleConnection(member.engine, "prober", member.stopping)
+        key = probe_lock_key(schema_of(member.engine), member.store.group)
+        self.lock = LockConnection(member.engine, key)
+        self.sitting_out = False
+
+    # -- election ---------------------------------------------------------------
+
+    def run(self) -> None:
+        m = self.member
+        try:
+            while not m.stopping.is_set():
+                view = self.conn.retrying(m.store.breaker)
+                self.gate.see_group(view.state, view.epoch)
+                if view.state == "CLOSED" and view.reconcile_epoch is None:
+                    return
+                if self.sitting_out:
+                    self.sitting_out = False
+                    self._pause(m.settings.breaker_probe_interval)
+                    continue
+                try:
+                    won = self.lock.acquire()
+                except DatabaseUnavailable as exc:
+                    logger.warning("probe election failed error=%s", exc)
+                    self.lock.release()
+                    self._pause(1.0)
+                    continue
+                if not won:
+                    if self.one_shot and view.state == "OPEN":
+                        m.request_stop("breaker_open")
+                        return
+                    self._pause(min(1.0, m.settings.breaker_heartbeat))
+                    continue
+                logger.info("prober elected member=%s epoch=%d", m.name, view.epoch)
+                try:
+                    if self._lead():
+                        return
+                except (LostLock, DatabaseUnavailable) as exc:
+                    logger.warning("prober stepped down error=%s", exc)
+                finally:
+                    self.lock.release()
+        except DatabaseUnavailable:
+            pass  # stopping while the database is away
+        finally:
+            self.lock.release()
+            self.conn.close()
+            self.done.set()
+
+    def _pause(self, seconds: float) -> None:
+        self.member.stopping.wait(seconds)
+
+    # -- leading ----------------------------------------------------------------
+
+    def _lead(self) -> bool:
+        """Probe, close and reconcile while holding the lock; True when finished."""
+        m, s = self.member, self.member.settings
+        turns = 0
+        self.conn.run(m.store.set_prober)
+        while not m.stopping.is_set():
+            self.lock.check()
+            view = self.conn.run(m.store.breaker)
+            self.gate.see_group(view.state, view.epoch)
+            if view.reconcile_epoch is not None:
+                self._reconcile(view.reconcile_epoch, view.reconcile_from or 0)
+                continue
+            if view.state == "CLOSED":
+                return True
+            if not view.probe_due:
+                if self.one_shot:
+                    m.request_stop("breaker_open")
+                    return True
+                self._pause(0.2)
+                continue
+            outcome = self._probe(view.epoch)
+            if outcome is None:  # nothing at all to probe with
+                if self.one_shot:
+                    m.request_stop("breaker_open")
+                    return True
+                self._pause(s.breaker_probe_interval)
+                continue
+            if outcome.kind == "done":
+                self.lock.check()
+                closed = self.conn.run(m.store.close, view.epoch)
+                if closed is not None:
+                    logger.info("group breaker closed by probe epoch=%d", closed)
+                    self.gate.see_group("CLOSED", closed)
+                continue  # the next turn reconciles
+            if outcome.error_class == "systemic":
+                failures = (view.probe_failures or 0) + 1
+                delay = probe_delay(
+                    failures, s.breaker_probe_interval, s.breaker_probe_interval_max
+                )
+                self.conn.run(m.store.probe_failed, view.epoch, delay)
+                turns += 1
+                logger.warning(
+                    "probe failed epoch=%d failures=%d next_in=%.1fs", view.epoch, failures, delay
+                )
+                if self.one_shot:
+                    m.request_stop("breaker_open")
+                    return True
+                if turns >= s.breaker_prober_turns:
+                    logger.info("prober sits out the next election after %d failed probes", turns)
+                    self.sitting_out = True
+                    return False
+            # message or permanent failure: inconclusive, probe again with another row
+        return True
+
+    def _probe(self, epoch: int) -> Outcome | None:
+        """Run one real message as the probe; returns its (written) outcome."""
+        m = self.member
+        row = self.conn.run(m.store.claim_probe, epoch)
+        if row is None:
+            return None
+        m.hold([row])
+        outcome = self._attempt(row)
+        if outcome.kind == "done":
+            written = self.conn.retrying(m.store.probe_done, row)
+        else:
+            written = row.id in self.conn.retrying(m.store.record, [outcome])
+        m.let_go([row.id])
+        m.count_outcome(outcome, pending=False)
+        if not written:
+            logger.warning("probe outcome refused id=%d (lease lost)", row.id)
+        return outcome
+
+    def _attempt(self, row: Claimed) -> Outcome:
+        """The handler on the probe row, bounded by `handler_timeout`."""
+        m = self.member
+        result: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                m.handler(row.message)
+                result["outcome"] = Outcome(row, "done")
+            except BaseException as exc:
+                result["outcome"] = failure_outcome(m, row, exc)
+
+        runner = threading.Thread(target=call, name="pgq-probe-attempt", daemon=True)
+        runner.start()
+        runner.join(m.settings.handler_timeout)
+        if "outcome" in result:
+            return result["outcome"]  # type: ignore[no-any-return]
+        exc = TimeoutError(
+            f"probe ran longer than handler_timeout ({m.settings.handler_timeout:g}s)"
+        )
+        return failure_outcome(m, row, exc)
+
+    def _reconcile(self, close_epoch: int, from_epoch: int) -> None:
+        """Refund the outage's systemic rows in bounded batches (resumable)."""
+        m, s = self.member, self.member.settings
+        total, started = 0, time.monotonic()
+        while not m.stopping.is_set():
+            self.lock.check()
+            n = self.conn.run(
+                m.store.reconcile_batch,
+                close_epoch,
+                from_epoch,
+                s.breaker_max_refunds,
+                RECONCILE_BATCH,
+            )
+            total += n
+            if n == 0:
+                self.conn.run(m.store.reconcile_done, close_epoch)
+                logger.info(
+                    "reconciliation finished close_epoch=%d refunded=%d seconds=%.2f",
+                    close_epoch,
+                    total,
+                    time.monotonic() - started,
+                )
+                return

@@ -1,0 +1,338 @@
+"""Statements of the group circuit breaker: open on quorum, probe, close, reconcile.
+
+Persisted state is CLOSED or OPEN plus an epoch that every transition bumps.
+Every transition is one conditional statement on the epoch the caller saw, so
+two members cannot both flip it, and a prober from an older outage (or one
+that lost its lock) cannot close a newer one.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+from sqlalchemy import (
+    BigInteger,
+    Integer,
+    Interval,
+    Numeric,
+    and_,
+    bindparam,
+    cast,
+    func,
+    insert,
+    literal,
+    literal_column,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.sql import Executable
+
+from pgq import schema as t
+
+br, hist, mb, d, g = t.breaker, t.breaker_history, t.member, t.delivery, t.consumer_group
+
+
+def _live_members() -> object:
+    return and_(
+        mb.c.group_id == bindparam("gid"),
+        mb.c.left_at.is_(None),
+        mb.c.last_seen > func.now() - bindparam("ttl", type_=Interval),
+    )
+
+
+@cache
+def state() -> Executable:
+    """The group breaker: state, epoch, next probe due (bool), reconciliation owed."""
+    return select(
+        br.c.state,
+        br.c.epoch,
+        func.coalesce(br.c.next_probe_at <= func.now(), True).label("probe_due"),
+        br.c.reconcile_epoch,
+        br.c.reconcile_from_epoch,
+        br.c.probe_failures,
+    ).where(br.c.group_id == bindparam("gid"))
+
+
+@cache
+def open_on_quorum() -> Executable:
+    """Flip `:gid` from CLOSED at `:epoch` to OPEN when enough live members tripped.
+
+    Tripped live members (under the current epoch) must number at least
+    `max(:min_members, ceil(:quorum × live))`. The check and the flip are one
+    statement; returns the new epoch when this call opened the group.
+    """
+    live = select(func.count()).where(_live_members()).scalar_subquery()
+    tripped = (
+        select(func.count())
+        .where(
+            _live_members(), mb.c.local_breaker == t.LOCAL_OPEN, mb.c.tripped_epoch == br.c.epoch
+        )
+        .scalar_subquery()
+    )
+    needed = func.greatest(
+        bindparam("min_members", type_=Integer),
+        func.ceil(cast(bindparam("quorum"), Numeric) * live),
+    )
+    flipped = (
+        update(br)
+        .where(
+            br.c.group_id == bindparam("gid"),
+            br.c.state == t.CLOSED,
+            br.c.epoch == bindparam("epoch", type_=Integer),
+            tripped >= needed,
+            tripped > 0,
+        )
+        .values(
+            state=t.OPEN,
+            epoch=br.c.epoch + 1,
+            since=func.now(),
+            next_probe_at=func.now(),
+            probe_failures=0,
+            prober=None,
+        )
+        .returning(br.c.group_id, br.c.epoch)
+        .cte("flipped")
+    )
+    return (
+        insert(hist)
+        .from_select(
+            ["group_id", "epoch", "state", "by_member"],
+            select(flipped.c.group_id, flipped.c.epoch, t.OPEN, bindparam("member")),
+        )
+        .returning(hist.c.epoch)
+    )
+
+
+@cache
+def set_prober() -> Executable:
+    """Record `:member` as the prober of `:gid` (display only: the lock elects)."""
+    return (
+        update(br)
+        .where(br.c.group_id == bindparam("gid"), br.c.state == t.OPEN)
+        .values(prober=bindparam("member"))
+    )
+
+
+@cache
+def probe_failed() -> Executable:
+    """A probe of the OPEN epoch `:epoch` failed systemically: back off to now + `:delay`."""
+    return (
+        update(br)
+        .where(
+            br.c.group_id == bindparam("gid"),
+            br.c.state == t.OPEN,
+            br.c.epoch == bindparam("epoch", type_=Integer),
+        )
+        .values(
+            probe_failures=br.c.probe_failures + 1,
+            next_probe_at=func.now() + bindparam("delay", type_=Interval),
+        )
+        .returning(br.c.probe_failures)
+    )
+
+
+@cache
+def close() -> Executable:
+    """Close `:gid` if it is still OPEN at `:epoch`; owe a reconciliation for the new epoch.
+
+    Returns the new (close) epoch, nothing when the group moved on meanwhile.
+    """
+    flipped = (
+        update(br)
+        .where(
+            br.c.group_id == bindparam("gid"),
+            br.c.state == t.OPEN,
+            br.c.epoch == bindparam("epoch", type_=Integer),
+        )
+        .values(
+            state=t.CLOSED,
+            epoch=br.c.epoch + 1,
+            since=func.now(),
+            next_probe_at=None,
+            probe_failures=0,
+            prober=None,
+            reconcile_epoch=br.c.epoch + 1,
+            # rows that failed since the previous close (epoch - 1) are refunded
+            reconcile_from_epoch=br.c.epoch - 1,
+        )
+        .returning(br.c.group_id, br.c.epoch)
+        .cte("flipped")
+    )
+    return (
+        insert(hist)
+        .from_select(
+            ["group_id", "epoch", "state", "by_member"],
+            select(flipped.c.group_id, flipped.c.epoch, t.CLOSED, bindparam("member")),
+        )
+        .returning(hist.c.epoch)
+    )
+
+
+def _probe_pick(where: object, order: tuple[object, ...]) -> Executable:
+    pick = (
+        select(d.c.message_id)
+        .where(d.c.group_id == bindparam("gid"), where)
+        .order_by(*order)
+        .limit(1)
+        .with_for_update(skip_locked=True)
+        .cte("pick")
+    )
+    return (
+        update(d)
+        .where(
+            d.c.group_id == bindparam("gid"),
+            d.c.message_id == pick.c.message_id,
+            t.message.c.id == d.c.message_id,
+        )
+        .values(
+            state=t.LEASED,
+            lease_owner=bindparam("member"),
+            lease_seq=d.c.lease_seq + 1,
+            lease_expires_at=func.now() + bindparam("lease", type_=Interval),
+            updated_at=func.now(),
+        )
+        .returning(
+            d.c.message_id,
+            d.c.lease_seq,
+            d.c.attempts,
+            d.c.reclaims,
+            d.c.refundable_attempts,
+            d.c.error_class,
+            t.message.c.topic_id,
+            t.message.c.key,
+            t.message.c.payload,
+            t.message.c.headers,
+            t.message.c.created_at,
+        )
+    )
+
+
+@cache
+def claim_probe_ready() -> Executable:
+    """Lease the probe row: a ready row, the one due soonest (even if not due yet)."""
+    return _probe_pick(d.c.state == t.READY, (d.c.available_at, d.c.message_id))
+
+
+@cache
+def claim_probe_dead() -> Executable:
+    """Lease the probe row when nothing is ready: the oldest dead systemic row."""
+    return _probe_pick(and_(d.c.state == t.DEAD, d.c.error_class == t.SYSTEMIC), (d.c.message_id,))
+
+
+@cache
+def reconcile_batch() -> Executable:
+    """Refund up to `:limit` systemic rows of `:gid` for the close `:close_epoch`.
+
+    A row qualifies when its last failure was systemic, happened at or after
+    epoch `:from_epoch` (the previous close) and before the close, it is dead or
+    waiting for a retry, and it has been refunded fewer than `:max_refunds`
+    times. It becomes ready now with its refundable attempts and reclaims
+    subtracted; its error class is cleared, so no close refunds it twice.
+    Returns how many rows were refunded (and adds them to the totals).
+    """
+    waiting = and_(d.c.state == t.READY, d.c.available_at > func.now())
+    batch = (
+        select(d.c.message_id)
+        .where(
+            d.c.group_id == bindparam("gid"),
+            d.c.error_class == t.SYSTEMIC,
+            d.c.error_epoch >= bindparam("from_epoch", type_=Integer),
+            d.c.error_epoch < bindparam("close_epoch", type_=Integer),
+            d.c.refunds < bindparam("max_refunds", type_=Integer),
+            or_(d.c.state == t.DEAD, waiting),
+        )
+        .limit(bindparam("limit"))
+        .with_for_update(skip_locked=True)
+        .cte("batch")
+    )
+    refunded = (
+        update(d)
+        .where(d.c.group_id == bindparam("gid"), d.c.message_id == batch.c.message_id)
+        .values(
+            state=t.READY,
+            available_at=func.now(),
+            attempts=func.greatest(0, d.c.attempts - d.c.refundable_attempts),
+            reclaims=func.greatest(0, d.c.reclaims - d.c.refundable_reclaims),
+            refundable_attempts=0,
+            refundable_reclaims=0,
+            refunds=d.c.refunds + 1,
+            error_class=None,
+            updated_at=func.now(),
+        )
+        .returning(d.c.message_id)
+        .cte("refunded")
+    )
+    n = select(func.count()).select_from(refunded).scalar_subquery()
+    counted = (
+        update(g)
+        .where(g.c.id == bindparam("gid"))
+        .values(refunded_total=g.c.refunded_total + n)
+        .returning(g.c.id)
+        .cte("counted")
+    )
+    return (
+        update(hist)
+        .where(
+            hist.c.group_id == bindparam("gid"),
+            hist.c.epoch == bindparam("close_epoch", type_=Integer),
+        )
+        .values(refunded=hist.c.refunded + cast(n, BigInteger))
+        .returning(n)
+        .add_cte(counted)
+    )
+
+
+@cache
+def reconcile_done() -> Executable:
+    """Mark the reconciliation owed for `:close_epoch` finished."""
+    return (
+        update(br)
+        .where(
+            br.c.group_id == bindparam("gid"),
+            br.c.reconcile_epoch == bindparam("close_epoch", type_=Integer),
+        )
+        .values(reconcile_epoch=None, reconcile_from_epoch=None)
+    )
+
+
+@cache
+def lock_held() -> Executable:
+    """True while this session holds an advisory lock (the lock connection holds no other)."""
+    locks = literal_column("pg_locks")
+    return select(
+        select(literal(1))
+        .select_from(locks)
+        .where(
+            literal_column("locktype") == literal("advisory"),
+            literal_column("pid") == func.pg_backend_pid(),
+            literal_column("granted"),
+        )
+        .exists()
+    )
+
+
+@cache
+def probe_done() -> Executable:
+    """The probe on lease `:id`/`:seq` succeeded: done, and its systemic charges refunded
+    (the dependency works: those failures were not the message's)."""
+    return (
+        update(d)
+        .where(
+            d.c.group_id == bindparam("gid"),
+            d.c.message_id == bindparam("id", type_=BigInteger),
+            d.c.lease_seq == bindparam("seq", type_=Integer),
+            d.c.lease_owner == bindparam("member"),
+        )
+        .values(
+            state=t.DONE,
+            attempts=func.greatest(0, d.c.attempts - d.c.refundable_attempts) + 1,
+            reclaims=func.greatest(0, d.c.reclaims - d.c.refundable_reclaims),
+            refundable_attempts=0,
+            refundable_reclaims=0,
+            lease_owner=None,
+            lease_expires_at=None,
+            updated_at=func.now(),
+        )
+        .returning(d.c.message_id)
+    )
