@@ -8,6 +8,7 @@ did to its messages. See DESIGN and the README for the whole story.
 from __future__ import annotations
 
 from pgq.connect import connect
+from pgq.consumer import Consumer
 from pgq.errors import (
     ConfigError,
     DatabaseUnavailable,
@@ -19,15 +20,20 @@ from pgq.errors import (
     UnknownTopic,
     UsageError,
 )
+from pgq.message import Message, RunSummary
 from pgq.migrations import migrate
+from pgq.monitor import status
 from pgq.topics import create_topic, publish, publish_many, subscribe
 
 __all__ = [
     "ConfigError",
+    "Consumer",
     "DatabaseUnavailable",
+    "Message",
     "PermanentError",
     "PgqError",
     "RetryLater",
+    "RunSummary",
     "SystemicError",
     "UnknownGroup",
     "UnknownTopic",
@@ -37,5 +43,6 @@ __all__ = [
     "migrate",
     "publish",
     "publish_many",
+    "status",
     "subscribe",
 ]

@@ -24,7 +24,7 @@ import click
 import psycopg.conninfo
 from sqlalchemy import Engine
 
-from pgq import status as st
+from pgq import monitor as st
 from pgq.connect import check_dsn, connect, schema_of
 from pgq.errors import (
     DatabaseUnavailable,

@@ -236,9 +236,8 @@ class GroupStore:
         if not leases:
             return 0
         ids, seqs = _split(leases)
-        n = len(
-            conn.execute(claim_sql.release(), {"gid": self.gid, "ids": ids, "seqs": seqs}).all()
-        )
+        params = {"gid": self.gid, "ids": ids, "seqs": seqs, "member": self.member}
+        n = len(conn.execute(claim_sql.release(), params).all())
         if n:
             conn.execute(claim_sql.count_released(), {"gid": self.gid, "n": n})
         return n
@@ -294,7 +293,7 @@ class GroupStore:
             breaker_sql.open_on_quorum(),
             {
                 "gid": self.gid,
-                "epoch": epoch,
+                "at_epoch": epoch,
                 "member": self.member,
                 "ttl": dt.timedelta(seconds=s.breaker_member_ttl),
                 "min_members": s.breaker_min_members,
@@ -307,12 +306,12 @@ class GroupStore:
 
     def probe_failed(self, conn: Connection, epoch: int, delay: float) -> int | None:
         """Back the next probe off by `delay`; returns the consecutive failure count."""
-        params = {"gid": self.gid, "epoch": epoch, "delay": dt.timedelta(seconds=delay)}
+        params = {"gid": self.gid, "at_epoch": epoch, "delay": dt.timedelta(seconds=delay)}
         return conn.execute(breaker_sql.probe_failed(), params).scalar()
 
     def close(self, conn: Connection, epoch: int) -> int | None:
         """Close the group if still OPEN at `epoch`; returns the close epoch."""
-        params = {"gid": self.gid, "epoch": epoch, "member": self.member}
+        params = {"gid": self.gid, "at_epoch": epoch, "member": self.member}
         return conn.execute(breaker_sql.close(), params).scalar()
 
     def reconcile_batch(

@@ -32,6 +32,12 @@ class Acker(threading.Thread):
         self.unwritten = 0
 
     def run(self) -> None:
+        try:
+            self._run()
+        except Exception:
+            self.member.crash(self.name)
+
+    def _run(self) -> None:
         m = self.member
         conn = RoleConnection(m.engine, "acker", m.halt)
         batch_size = m.settings.batch_size

@@ -341,7 +341,9 @@ class Consumer:
             logger.warning(
                 "handlers still running at the end of the grace period count=%d", len(overran)
             )
-        self.clean = not overran and acker.unwritten == 0 and not acker.is_alive()
+        self.clean = (
+            not overran and acker.unwritten == 0 and not acker.is_alive() and not member.crashed
+        )
         waiting = self._final_pass(member)
         self._summary = self._snapshot(member, waiting)
         logger.info(

@@ -87,6 +87,12 @@ class Fetcher(threading.Thread):
         """Set by other threads to make an idle fetcher claim at once."""
 
     def run(self) -> None:
+        try:
+            self._run()
+        except Exception:
+            self.member.crash(self.name)
+
+    def _run(self) -> None:
         m = self.member
         conn = RoleConnection(m.engine, "fetcher", m.stop_claiming)
         capacity = m.pool.capacity

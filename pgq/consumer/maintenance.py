@@ -49,6 +49,12 @@ class Maintenance(threading.Thread):
 
     def run(self) -> None:
         try:
+            self._run()
+        except Exception:
+            self.member.crash(self.name)
+
+    def _run(self) -> None:
+        try:
             while not self.finish.is_set():
                 now = self.clock()
                 for task in self.tasks:

@@ -60,6 +60,8 @@ class Member:
     tally: Tally = field(default_factory=Tally)
     deferred: list[Claimed] = field(default_factory=list)
     """Buffered rows a closed gate turned away at dispatch, waiting to be released."""
+    crashed: list[str] = field(default_factory=list)
+    """Threads that died of an unexpected error (the member then stops, unclean)."""
     outcomes_pending: int = 0
     """Outcomes handed to the acker and not yet written."""
 
@@ -75,6 +77,13 @@ class Member:
         self.stopping.set()
         self.stop_claiming.set()
         self.pool.wake()
+
+    def crash(self, thread: str) -> None:
+        """A thread died of an unexpected error: log it and stop the whole member."""
+        logger.exception("thread crashed thread=%s member=%s; stopping", thread, self.name)
+        with self.lock:
+            self.crashed.append(thread)
+        self.request_stop("stopped")
 
     def hold(self, rows: list[Claimed]) -> None:
         """Remember freshly claimed rows (their leases are extended until written)."""

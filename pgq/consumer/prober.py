@@ -110,6 +110,12 @@ class Prober(threading.Thread):
     # -- election ---------------------------------------------------------------
 
     def run(self) -> None:
+        try:
+            self._run()
+        except Exception:
+            self.member.crash(self.name)
+
+    def _run(self) -> None:
         m = self.member
         try:
             while not m.stopping.is_set():
@@ -140,6 +146,7 @@ class Prober(threading.Thread):
                         return
                 except (LostLock, DatabaseUnavailable) as exc:
                     logger.warning("prober stepped down error=%s", exc)
+                    self._pause(min(1.0, m.settings.breaker_heartbeat))
                 finally:
                     self.lock.release()
         except DatabaseUnavailable:

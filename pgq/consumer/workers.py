@@ -68,6 +68,12 @@ class Worker(threading.Thread):
         self.current: Attempt | None = None
 
     def run(self) -> None:
+        try:
+            self._run()
+        except Exception:
+            self.member.crash(self.name)
+
+    def _run(self) -> None:
         m = self.member
         while not self.retired.is_set():
             row = m.pool.take(timeout=0.5)

@@ -18,12 +18,12 @@ from sqlalchemy import (
     and_,
     bindparam,
     cast,
+    column,
     func,
     insert,
     literal,
-    literal_column,
-    or_,
     select,
+    table,
     update,
 )
 from sqlalchemy.sql import Executable
@@ -56,7 +56,7 @@ def state() -> Executable:
 
 @cache
 def open_on_quorum() -> Executable:
-    """Flip `:gid` from CLOSED at `:epoch` to OPEN when enough live members tripped.
+    """Flip `:gid` from CLOSED at `:at_epoch` to OPEN when enough live members tripped.
 
     Tripped live members (under the current epoch) must number at least
     `max(:min_members, ceil(:quorum × live))`. The check and the flip are one
@@ -79,7 +79,7 @@ def open_on_quorum() -> Executable:
         .where(
             br.c.group_id == bindparam("gid"),
             br.c.state == t.CLOSED,
-            br.c.epoch == bindparam("epoch", type_=Integer),
+            br.c.epoch == bindparam("at_epoch", type_=Integer),
             tripped >= needed,
             tripped > 0,
         )
@@ -116,13 +116,13 @@ def set_prober() -> Executable:
 
 @cache
 def probe_failed() -> Executable:
-    """A probe of the OPEN epoch `:epoch` failed systemically: back off to now + `:delay`."""
+    """A probe of the OPEN epoch `:at_epoch` failed systemically: back off to now + `:delay`."""
     return (
         update(br)
         .where(
             br.c.group_id == bindparam("gid"),
             br.c.state == t.OPEN,
-            br.c.epoch == bindparam("epoch", type_=Integer),
+            br.c.epoch == bindparam("at_epoch", type_=Integer),
         )
         .values(
             probe_failures=br.c.probe_failures + 1,
@@ -134,7 +134,7 @@ def probe_failed() -> Executable:
 
 @cache
 def close() -> Executable:
-    """Close `:gid` if it is still OPEN at `:epoch`; owe a reconciliation for the new epoch.
+    """Close `:gid` if it is still OPEN at `:at_epoch`; owe a reconciliation for the new epoch.
 
     Returns the new (close) epoch, nothing when the group moved on meanwhile.
     """
@@ -143,7 +143,7 @@ def close() -> Executable:
         .where(
             br.c.group_id == bindparam("gid"),
             br.c.state == t.OPEN,
-            br.c.epoch == bindparam("epoch", type_=Integer),
+            br.c.epoch == bindparam("at_epoch", type_=Integer),
         )
         .values(
             state=t.CLOSED,
@@ -226,12 +226,11 @@ def reconcile_batch() -> Executable:
 
     A row qualifies when its last failure was systemic, happened at or after
     epoch `:from_epoch` (the previous close) and before the close, it is dead or
-    waiting for a retry, and it has been refunded fewer than `:max_refunds`
-    times. It becomes ready now with its refundable attempts and reclaims
+    ready for a retry (due or not), and it has been refunded fewer than
+    `:max_refunds` times. It becomes ready now with its refundable attempts and reclaims
     subtracted; its error class is cleared, so no close refunds it twice.
     Returns how many rows were refunded (and adds them to the totals).
     """
-    waiting = and_(d.c.state == t.READY, d.c.available_at > func.now())
     batch = (
         select(d.c.message_id)
         .where(
@@ -240,7 +239,7 @@ def reconcile_batch() -> Executable:
             d.c.error_epoch >= bindparam("from_epoch", type_=Integer),
             d.c.error_epoch < bindparam("close_epoch", type_=Integer),
             d.c.refunds < bindparam("max_refunds", type_=Integer),
-            or_(d.c.state == t.DEAD, waiting),
+            d.c.state.in_([t.DEAD, t.READY]),
         )
         .limit(bindparam("limit"))
         .with_for_update(skip_locked=True)
@@ -299,14 +298,16 @@ def reconcile_done() -> Executable:
 @cache
 def lock_held() -> Executable:
     """True while this session holds an advisory lock (the lock connection holds no other)."""
-    locks = literal_column("pg_locks")
+    locks = table(
+        "pg_locks", column("locktype"), column("pid"), column("granted"), schema="pg_catalog"
+    )
     return select(
         select(literal(1))
         .select_from(locks)
         .where(
-            literal_column("locktype") == literal("advisory"),
-            literal_column("pid") == func.pg_backend_pid(),
-            literal_column("granted"),
+            locks.c.locktype == literal("advisory"),
+            locks.c.pid == func.pg_backend_pid(),
+            locks.c.granted,
         )
         .exists()
     )

@@ -9,8 +9,8 @@ import pytest
 from sqlalchemy import Engine, insert, update
 
 import pgq
+from pgq import monitor as st
 from pgq import schema as t
-from pgq import status as st
 from pgq.errors import UnknownGroup
 
 
