@@ -21,11 +21,13 @@ import psycopg
 import psycopg.errors
 from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.sql import Executable
 from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
-from pgq.connect import first_line
+from pgq.connect import first_line, schema_of
 from pgq.errors import BadDsn, DatabaseUnavailable, PgqError, SchemaMissing
 from pgq.message import Message
+from pgq.schema import SCHEMA_PLACEHOLDER
 from pgq.sql import breaker as breaker_sql
 from pgq.sql import claim as claim_sql
 from pgq.sql import frontier as frontier_sql
@@ -111,6 +113,11 @@ class RoleConnection:
 
         Gives up (re-raising) once the role's stop event is set.
         """
+        try:
+            return self.run(fn, *args)  # the common case, without tenacity's overhead
+        except DatabaseUnavailable:
+            if self.stop.is_set():
+                raise
         gate = self.stop
         retryer = Retrying(
             retry=retry_if_exception_type(DatabaseUnavailable),
@@ -145,6 +152,33 @@ class RoleConnection:
 
 
 ERROR_TEXT_MAX = 2000
+
+_compiled: dict[tuple[int, str], tuple[str, dict[str, Any]]] = {}
+
+
+def run_hot(conn: Connection, stmt: Executable, params: dict[str, Any]) -> list[Any]:
+    """Run a hot-path statement on the connection's psycopg cursor.
+
+    The Core statement is compiled once per schema (with the schema rendered
+    in), so each call skips SQLAlchemy's per-execution work; it still runs in
+    the SQLAlchemy connection's transaction. Returns the rows as tuples.
+    """
+    schema = schema_of(conn)
+    key = (id(stmt), schema)
+    hit = _compiled.get(key)
+    if hit is None:
+        compiled = stmt.compile(
+            dialect=conn.dialect,
+            schema_translate_map={SCHEMA_PLACEHOLDER: schema},
+            render_schema_translate=True,
+        )
+        hit = _compiled[key] = (compiled.string, dict(compiled.params))
+    sql, defaults = hit
+    driver = conn.connection.driver_connection
+    assert driver is not None
+    with driver.cursor() as cur:
+        cur.execute(sql, {**defaults, **params})
+        return cur.fetchall() if cur.description else []
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +229,7 @@ class GroupStore:
     def claim(self, conn: Connection, limit: int, epoch: int) -> list[Claimed]:
         """Lease up to `limit` ready rows to this member."""
         params = {"gid": self.gid, "limit": limit, "member": self.member, "lease": self.lease}
-        return self._claimed(conn.execute(claim_sql.claim(), params).all(), epoch)
+        return self._claimed(run_hot(conn, claim_sql.claim(), params), epoch)
 
     def claim_probe(self, conn: Connection, epoch: int) -> Claimed | None:
         """Lease the group probe: a ready row (due soonest), else the oldest dead systemic row."""
@@ -262,8 +296,7 @@ class GroupStore:
         if done:
             ids, seqs = _split(done)
             params = {"gid": self.gid, "ids": ids, "seqs": seqs, "member": self.member}
-            rows = conn.execute(outcome_sql.ack_done(), params)
-            applied.update(r[0] for r in rows)
+            applied.update(r[0] for r in run_hot(conn, outcome_sql.ack_done(), params))
         if failed:
             params = {
                 "gid": self.gid,
@@ -277,7 +310,7 @@ class GroupStore:
                 "errors": [(o.error or "")[:ERROR_TEXT_MAX] for o in failed],
                 "epochs": [o.claimed.epoch for o in failed],
             }
-            applied.update(r[0] for r in conn.execute(outcome_sql.record_failures(), params))
+            applied.update(r[0] for r in run_hot(conn, outcome_sql.record_failures(), params))
         return applied
 
     # -- group breaker --------------------------------------------------------

@@ -3,16 +3,27 @@
 Bounded by `prefetch` unstarted rows. The fetcher fills it, workers drain it;
 `drain()` empties it at once when a gate closes or the member stops, so those
 rows can be released unstarted (no attempt, no reclaim charged).
+
+Waking a thread costs more than a fast handler, so the pool wakes workers
+lazily: a batch wakes one worker, and a worker that takes a row wakes another
+only when the next row has already waited `HANDOFF_LAG`. Fast handlers are
+then served by the few workers that are already awake; slow ones spread over
+all workers within a few milliseconds (the fetcher, waiting for space, wakes
+the next worker when every awake one is busy).
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+HANDOFF_LAG = 0.001
+"""Seconds a row may wait at the head of the pool before another worker is woken."""
 
 
 class ClaimPool(Generic[T]):
@@ -20,48 +31,61 @@ class ClaimPool(Generic[T]):
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._items: collections.deque[T] = collections.deque()
+        self._items: collections.deque[tuple[float, T]] = collections.deque()
         lock = threading.Lock()
         self._filled = threading.Condition(lock)
         self._emptied = threading.Condition(lock)
         self._closed = False
+        self._want = 1
+        """Free slots the fetcher waits for: takes wake it only when they are there."""
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def free(self) -> int:
-        """How many more rows the pool may take now."""
-        return max(0, self.capacity - len(self._items))
-
     def put_many(self, items: Iterable[T]) -> None:
-        """Add claimed rows (the fetcher never claims more than `free()`)."""
+        """Add claimed rows (the fetcher never claims more than the free slots)."""
+        now = time.monotonic()
         with self._filled:
-            self._items.extend(items)
-            self._filled.notify(len(self._items))
+            self._items.extend((now, item) for item in items)
+            self._filled.notify()
 
     def take(self, timeout: float) -> T | None:
         """The oldest row, waiting up to `timeout`; None when empty or closed."""
         with self._filled:
             if not self._items and not self._closed:
                 self._filled.wait(timeout)
-            if self._items and not self._closed:
-                item = self._items.popleft()
+            if not self._items or self._closed:
+                return None
+            item = self._items.popleft()[1]
+            items = self._items
+            if items and time.monotonic() - items[0][0] >= HANDOFF_LAG:
+                self._filled.notify()
+            if self.capacity - len(items) == self._want:
                 self._emptied.notify()
-                return item
-            return None
+            return item
 
     def wait_for_space(self, want: int, timeout: float) -> int:
-        """Wait until at least `want` slots are free (or `timeout`); return the free slots."""
+        """Wait until at least `want` slots are free (or `timeout`); return the free slots.
+
+        While rows are waiting, it wakes every few milliseconds to wake another
+        worker if the head row is overdue, so slow handlers do not leave rows sitting in the pool.
+        """
+        deadline = time.monotonic() + timeout
         with self._emptied:
-            self._emptied.wait_for(
-                lambda: self._closed or self.capacity - len(self._items) >= want, timeout
-            )
+            self._want = want
+            while not self._closed and self.capacity - len(self._items) < want:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._emptied.wait(min(left, 0.005) if self._items else left)
+                if self._items and time.monotonic() - self._items[0][0] >= HANDOFF_LAG:
+                    self._filled.notify()
             return max(0, self.capacity - len(self._items))
 
     def drain(self) -> list[T]:
         """Remove and return every buffered row."""
         with self._filled:
-            items = list(self._items)
+            items = [item for _, item in self._items]
             self._items.clear()
             self._emptied.notify_all()
             return items
