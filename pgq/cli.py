@@ -557,9 +557,14 @@ def server_stop(timeout: float) -> None:
 
 def _register_commands() -> None:
     """Commands that live in their own modules (they import this one)."""
+    from pgq.cli_admin import check, requeue_command
     from pgq.cli_consume import consume
+    from pgq.cli_demo import demo
 
     cli.add_command(consume)
+    cli.add_command(check)
+    cli.add_command(requeue_command)
+    cli.add_command(demo)
 
 
 _register_commands()

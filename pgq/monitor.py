@@ -20,18 +20,24 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 
 from pgq.settings import DEFAULTS
+from pgq.sql import admin as aq
 from pgq.sql import status as q
 from pgq.store import wrap_errors
 from pgq.topics import group_info
 
 __all__ = [
+    "CHECK_EXIT_CODES",
     "DEFAULT_HISTORY_LIMIT",
+    "DEFAULT_MAX_REFUNDS",
     "DEFAULT_MEMBER_TTL",
     "breaker_info",
+    "check",
+    "check_verdict",
     "dead",
     "frontier_held_by",
     "iso",
     "members",
+    "pending_scope",
     "status",
     "status_all",
 ]
@@ -41,6 +47,12 @@ DEFAULT_MEMBER_TTL: float = float(DEFAULTS["breaker_member_ttl"])
 
 DEFAULT_HISTORY_LIMIT = 20
 """Breaker transitions `breaker_info` returns by default."""
+
+DEFAULT_MAX_REFUNDS: int = int(DEFAULTS["breaker_max_refunds"])
+"""Refunds after which a systemic row stays dead (`breaker.max_refunds`)."""
+
+CHECK_EXIT_CODES: Mapping[str, int] = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UNKNOWN": 3}
+"""`pgq check`'s Nagios exit code for each state word."""
 
 
 def iso(ts: dt.datetime | None) -> str | None:
@@ -241,3 +253,115 @@ def frontier_held_by(engine: Engine) -> dict[str, Any] | None:
     """
     with _snapshot(engine) as conn:
         return _holder(conn)
+
+
+# --- pgq check ------------------------------------------------------------------
+
+
+def pending_scope(
+    state: str, epoch: int, reconcile_epoch: int | None, reconcile_from: int | None
+) -> tuple[int, int] | None:
+    """The breaker epochs `[from, to)` whose systemic failures a reconciliation will refund.
+
+    While the group is OPEN at epoch E, the close will make epoch E + 1 and
+    refund failures from the previous close (E - 1) on, plus what an unfinished
+    earlier reconciliation still owes; while CLOSED with a reconciliation owed,
+    the owed range; otherwise None: nothing is pending and dead systemic rows
+    are real dead letters. Mirrors `pgq.sql.breaker.close` and `reconcile_batch`.
+    """
+    if state == "OPEN":
+        start = epoch - 1
+        if reconcile_epoch is not None and reconcile_from is not None:
+            start = min(start, reconcile_from)
+        return start, epoch + 1
+    if reconcile_epoch is not None and reconcile_from is not None:
+        return reconcile_from, reconcile_epoch
+    return None
+
+
+def _dead_parts(dead: Mapping[str, int], pending: int) -> str:
+    systemic_real = dead["systemic"] - dead["capped"] - pending
+    parts = [
+        (dead["message"], "message"),
+        (dead["permanent"], "permanent"),
+        (dead["lease"], "lease"),
+        (systemic_real, "systemic, not owed a refund"),
+        (dead["capped"], "systemic, refund cap reached"),
+    ]
+    known = sum(n for n, _ in parts)
+    parts.append((dead["dead"] - pending - known, "other"))
+    return ", ".join(f"{n} {what}" for n, what in parts if n > 0)
+
+
+def check_verdict(
+    *,
+    state: str,
+    epoch: int,
+    reconciling: bool,
+    dead: Mapping[str, int],
+    lag: int,
+    committed: int | None,
+) -> tuple[str, str]:
+    """The `pgq check` state word and line for a group's numbers (pure; see `check`).
+
+    `dead` has the keys of `pgq.sql.admin.check_dead` (`dead`, `message`,
+    `permanent`, `lease`, `systemic`, `capped`, `pending`); `reconciling` is
+    true while a reconciliation is owed.
+    """
+    pending = dead["pending"]  # zero unless a reconciliation is coming or owed
+    real = dead["dead"] - pending
+    notes = []
+    if state == "OPEN":
+        notes.append(f"breaker open, {pending} dead rows pending reconciliation")
+    elif reconciling and pending:
+        notes.append(f"reconciliation in progress, {pending} dead rows pending reconciliation")
+    if real > 0:
+        line = f"CRITICAL: {real} dead rows ({_dead_parts(dead, pending)})"
+        return "CRITICAL", "; ".join([line, *notes])
+    if notes:
+        return "WARNING", "WARNING: " + "; ".join(notes)
+    extra = ", reconciliation finishing" if reconciling else ""
+    return "OK", (
+        f"OK: breaker {state} (epoch {epoch}){extra}, lag {lag},"
+        f" committed {committed if committed is not None else 'none'}, no dead rows"
+    )
+
+
+def check(engine: Engine, group: str, max_refunds: int = DEFAULT_MAX_REFUNDS) -> tuple[str, str]:
+    """`pgq check GROUP`: the state word (`OK`, `WARNING`, `CRITICAL`) and the one line.
+
+    While the group breaker is OPEN its dead systemic rows that the coming
+    reconciliation will refund (fewer than `max_refunds` refunds, failed since
+    the previous close) are not dead letters: WARNING `breaker open, N dead
+    rows pending reconciliation`, also when N is 0. The same rows while a
+    reconciliation is still owed after a close: WARNING `reconciliation in
+    progress, ...`. Every other dead row is a real dead letter: CRITICAL, which
+    wins over WARNING; rows past the refund cap say `refund cap reached`, and
+    systemic rows no reconciliation covers (a lone bad node's, an old
+    outage's) count as real too. Otherwise OK with lag, frontier and breaker.
+    `CHECK_EXIT_CODES` maps the word to the Nagios exit code.
+
+    Raises `UnknownGroup`, `DatabaseUnavailable`, `SchemaMissing`, ... like
+    the other functions here; the CLI turns those into `UNKNOWN` (exit 3).
+    """
+    with _snapshot(engine) as conn:
+        gid = group_info(conn, group).id
+        row = conn.execute(aq.check_group(), {"gid": gid}).one()
+        scope = pending_scope(
+            row.state, int(row.epoch), row.reconcile_epoch, row.reconcile_from_epoch
+        )
+        params = {
+            "gid": gid,
+            "max_refunds": max_refunds,
+            "pending_from": scope[0] if scope else None,
+            "pending_to": scope[1] if scope else None,
+        }
+        dead_row = conn.execute(aq.check_dead(), params).one()
+    return check_verdict(
+        state=row.state,
+        epoch=int(row.epoch),
+        reconciling=row.reconcile_epoch is not None,
+        dead={k: int(v) for k, v in dead_row._asdict().items()},
+        lag=int(row.ready) + int(row.leased),
+        committed=row.committed_id,
+    )

@@ -1,0 +1,216 @@
+"""Statements behind the admin commands: `pgq check` reads, `pgq requeue` writes.
+
+`pgq check` reads the group's breaker row and its dead rows split by what they
+mean for alerting (see `pgq.monitor.check`); `pgq requeue` turns dead rows back
+to ready and writes its audit row in the same statement. Dead rows always carry
+an error class (every path to `dead` sets one), so the dead-row statements also
+say `error_class IS NOT NULL`: that lets them use the partial index on failed
+rows instead of reading every row of the group. The group is `:gid` everywhere
+(a parameter named like a column, `group_id`, would also be SET by the UPDATE).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Integer,
+    Text,
+    and_,
+    any_,
+    bindparam,
+    cast,
+    func,
+    insert,
+    literal,
+    select,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
+from sqlalchemy.schema import DropSchema
+from sqlalchemy.sql import ColumnElement, Executable, Select
+
+from pgq import schema as t
+
+d, br, g, audit = t.delivery, t.breaker, t.consumer_group, t.audit
+
+REQUEUE_ACTION = "requeue"
+"""The `audit.action` of a requeue."""
+
+
+# --- pgq check ------------------------------------------------------------------
+
+
+def _count_in_state(state: ColumnElement[Any]) -> Any:
+    return (
+        select(func.count())
+        .where(d.c.group_id == bindparam("gid", type_=Integer), d.c.state == state)
+        .scalar_subquery()
+    )
+
+
+@cache
+def check_group() -> Select[Any]:
+    """Group `:gid`'s breaker row (state, epoch, reconciliation owed), frontier and lag.
+
+    `ready` and `leased` are counted separately, each through its partial index.
+    """
+    return (
+        select(
+            func.coalesce(br.c.state, "CLOSED").label("state"),
+            func.coalesce(br.c.epoch, 0).label("epoch"),
+            br.c.reconcile_epoch,
+            br.c.reconcile_from_epoch,
+            g.c.committed_id,
+            _count_in_state(t.READY).label("ready"),
+            _count_in_state(t.LEASED).label("leased"),
+        )
+        .select_from(g.outerjoin(br, br.c.group_id == g.c.id))
+        .where(g.c.id == bindparam("gid", type_=Integer))
+    )
+
+
+@cache
+def check_dead() -> Executable:
+    """Dead rows of group `:gid` by what they mean for alerting.
+
+    `dead` every dead row; `message`, `permanent`, `lease`, `systemic` per error
+    class; `capped` systemic rows refunded `:max_refunds` times already (they
+    stay dead); `pending` systemic rows below the cap whose failure lies in the
+    epochs `[:pending_from, :pending_to)` that the owed or coming reconciliation
+    covers (NULL bounds: none are pending).
+    """
+    systemic = d.c.error_class == t.SYSTEMIC
+    below_cap = d.c.refunds < bindparam("max_refunds", type_=Integer)
+    in_scope = and_(
+        d.c.error_epoch >= bindparam("pending_from", type_=Integer),
+        d.c.error_epoch < bindparam("pending_to", type_=Integer),
+    )
+    return select(
+        func.count().label("dead"),
+        func.count().filter(d.c.error_class == "message").label("message"),
+        func.count().filter(d.c.error_class == "permanent").label("permanent"),
+        func.count().filter(d.c.error_class == "lease").label("lease"),
+        func.count().filter(systemic).label("systemic"),
+        func.count().filter(and_(systemic, ~below_cap)).label("capped"),
+        func.count().filter(and_(systemic, below_cap, in_scope)).label("pending"),
+    ).where(
+        d.c.group_id == bindparam("gid", type_=Integer),
+        d.c.state == t.DEAD,
+        d.c.error_class.is_not(None),
+    )
+
+
+# --- pgq requeue ----------------------------------------------------------------
+
+
+@cache
+def lock_dead_ids() -> Select[Any]:
+    """Which of `:ids` are dead rows of `:gid`, locked until the transaction ends."""
+    return (
+        select(d.c.message_id)
+        .where(
+            d.c.group_id == bindparam("gid", type_=Integer),
+            d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
+            d.c.state == t.DEAD,
+            d.c.error_class.is_not(None),
+        )
+        .with_for_update()
+    )
+
+
+def _requeue(only_ids: bool) -> Executable:
+    where = [
+        d.c.group_id == bindparam("gid", type_=Integer),
+        d.c.state == t.DEAD,
+        d.c.error_class.is_not(None),
+    ]
+    if only_ids:
+        where.append(d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
+    requeued = (
+        update(d)
+        .where(*where)
+        .values(
+            state=t.READY,
+            available_at=func.now(),
+            attempts=0,
+            reclaims=0,
+            refundable_attempts=0,
+            refundable_reclaims=0,
+            error_class=None,
+            error_epoch=None,
+            lease_owner=None,
+            lease_expires_at=None,
+            updated_at=func.now(),
+        )
+        .returning(d.c.message_id)
+        .cte("requeued")
+    )
+    listed = (
+        select(requeued.c.message_id)
+        .order_by(requeued.c.message_id)
+        .limit(bindparam("max_listed", type_=Integer))
+        .subquery("listed")
+    )
+    ids = select(
+        func.coalesce(
+            func.jsonb_agg(aggregate_order_by(listed.c.message_id, listed.c.message_id)),
+            cast(literal("[]"), JSONB),
+        )
+    ).scalar_subquery()
+    count = select(func.count()).select_from(requeued).scalar_subquery()
+    return (
+        insert(audit)
+        .from_select(
+            ["group_id", "action", "message_ids", "count", "reason", "actor"],
+            select(
+                bindparam("gid", type_=Integer),
+                literal(REQUEUE_ACTION, Text),
+                ids,
+                count,
+                bindparam("reason", type_=Text),
+                bindparam("actor", type_=Text),
+            ),
+        )
+        .returning(audit.c.id, audit.c.count)
+    )
+
+
+@cache
+def requeue_ids() -> Executable:
+    """Requeue the dead rows `:ids` of `:gid` and audit it, in one statement.
+
+    Each becomes ready now with attempts, reclaims and refundable charges reset
+    and its error class cleared (`last_error` and `refunds` stay). The audit row
+    gets `:reason`, `:actor`, the count and at most `:max_listed` ids (the
+    smallest). Returns the audit row's id and count.
+    """
+    return _requeue(only_ids=True)
+
+
+@cache
+def requeue_all() -> Executable:
+    """`requeue_ids` for every dead row of `:gid` (rows never pass through Python)."""
+    return _requeue(only_ids=False)
+
+
+@cache
+def notify() -> Executable:
+    """Wake idle fetchers listening on `:channel` for topic `:topic` (sent at commit)."""
+    return select(func.pg_notify(bindparam("channel", type_=Text), bindparam("topic", type_=Text)))
+
+
+# --- pgq demo -------------------------------------------------------------------
+
+
+@cache
+def clock() -> Select[Any]:
+    """The database clock now (`clock_timestamp()`, not the transaction's start)."""
+    return select(func.clock_timestamp())
+
+
+def drop_schema(name: str) -> Executable:
+    """Drop schema `name` and everything in it (the demo's scratch schema)."""
+    return DropSchema(name, cascade=True, if_exists=True)

