@@ -144,7 +144,7 @@ def test_outage_opens_group_probes_once_and_refunds_on_close(group, pg_dsn, sche
 
     wait_until(lambda: group.breaker()["state"] == "OPEN", 30, "the group to open")
     # attempts that started before the open finish; then only the probe may be leased
-    wait_until(lambda: group.status()["counts"]["leased"] <= 1, 5, "in-flight attempts to end")
+    wait_until(lambda: group.status()["counts"]["leased"] <= 1, 15, "in-flight attempts to end")
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
         assert probe_lock_holders(pg_dsn, schema) <= 1
