@@ -17,6 +17,7 @@ from sqlalchemy import (
     Numeric,
     and_,
     bindparam,
+    case,
     cast,
     column,
     func,
@@ -153,8 +154,12 @@ def close() -> Executable:
             probe_failures=0,
             prober=None,
             reconcile_epoch=br.c.epoch + 1,
-            # rows that failed since the previous close (epoch - 1) are refunded
-            reconcile_from_epoch=br.c.epoch - 1,
+            # rows that failed since the previous close (epoch - 1) are refunded, and
+            # whatever an unfinished earlier reconciliation still owed
+            reconcile_from_epoch=case(
+                (br.c.reconcile_epoch.is_(None), br.c.epoch - 1),
+                else_=func.least(br.c.reconcile_from_epoch, br.c.epoch - 1),
+            ),
         )
         .returning(br.c.group_id, br.c.epoch)
         .cte("flipped")
