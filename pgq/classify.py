@@ -64,6 +64,18 @@ _SYSTEMIC_NAMES: frozenset[tuple[str, str]] = frozenset(
     )
 )
 
+# Conflicts with other transactions (serialization failures, deadlocks) are
+# OperationalErrors in psycopg, but they say nothing about the dependency's health:
+# the message's own work lost a race and a plain retry is right.
+_CONFLICT_NAMES: frozenset[tuple[str, str]] = frozenset(
+    (
+        ("psycopg", "TransactionRollback"),
+        ("psycopg", "SerializationFailure"),
+        ("psycopg", "DeadlockDetected"),
+        ("psycopg2", "TransactionRollbackError"),
+    )
+)
+
 # How many exceptions of one chain to look at; chains are short, cycles are not.
 _MAX_CHAIN = 32
 
@@ -88,14 +100,23 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
             todo.append(current.__context__)
 
 
+def _names(cls: type[BaseException]) -> Iterator[tuple[str, str]]:
+    for klass in cls.__mro__:
+        yield klass.__module__.partition(".")[0], klass.__qualname__
+
+
+def _is_conflict(exc: BaseException) -> bool:
+    """A transaction conflict: by class name, or SQLSTATE class 40 (transaction rollback)."""
+    code = getattr(exc, "sqlstate", None) or getattr(exc, "pgcode", None)
+    if isinstance(code, str) and code.startswith("40"):
+        return True
+    return any(name in _CONFLICT_NAMES for name in _names(type(exc)))
+
+
 def _is_systemic_type(cls: type[BaseException]) -> bool:
     if issubclass(cls, _SYSTEMIC_TYPES):
         return True
-    for klass in cls.__mro__:
-        package = klass.__module__.partition(".")[0]
-        if (package, klass.__qualname__) in _SYSTEMIC_NAMES:
-            return True
-    return False
+    return any(name in _SYSTEMIC_NAMES for name in _names(cls))
 
 
 def default_classify(exc: BaseException) -> Classification:
@@ -105,11 +126,16 @@ def default_classify(exc: BaseException) -> Classification:
     when the exception or anything on its cause/context chain is a
     `SystemicError`, `ConnectionError`, `TimeoutError`, `socket.gaierror`, or a
     connection/timeout error of requests, httpx, urllib3, psycopg, psycopg2 or
-    SQLAlchemy (matched by name). Anything else is a message failure.
+    SQLAlchemy (matched by name), unless the chain holds a transaction conflict
+    (serialization failure, deadlock): that is the message's own race, a
+    message failure. Anything else is a message failure.
     """
     if isinstance(exc, PermanentError):
         return "permanent"
-    if any(_is_systemic_type(type(e)) for e in _chain(exc)):
+    chain = list(_chain(exc))
+    if any(_is_conflict(e) for e in chain):
+        return "message"
+    if any(_is_systemic_type(type(e)) for e in chain):
         return "systemic"
     return "message"
 

@@ -258,3 +258,18 @@ def test_hook_keyboard_interrupt_propagates() -> None:
 
     with pytest.raises(KeyboardInterrupt):
         make_classifier(hook)(ValueError())
+
+
+def test_transaction_conflicts_are_message_failures_even_wrapped():
+    import psycopg.errors
+    import sqlalchemy.exc
+
+    serialization = psycopg.errors.SerializationFailure("could not serialize access")
+    assert default_classify(serialization) == "message"
+    assert default_classify(psycopg.errors.DeadlockDetected("deadlock")) == "message"
+    wrapped = sqlalchemy.exc.OperationalError("UPDATE ...", {}, serialization)
+    try:
+        raise wrapped from serialization
+    except sqlalchemy.exc.OperationalError as exc:
+        assert default_classify(exc) == "message"
+    assert default_classify(psycopg.OperationalError("server closed the connection")) == "systemic"
