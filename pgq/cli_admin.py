@@ -7,36 +7,23 @@ unknown group) is `UNKNOWN: ...` with exit 3: the CLI's exit-2 rule does not
 apply here, a monitoring system must always get an answer it understands.
 
 `pgq requeue GROUP (--id ID ... | --all) --reason TEXT` turns dead rows back to
-ready and writes one `audit` row, in one transaction. `requeue()` is the plain
-function behind it, for scripts.
+ready and writes one `audit` row, in one transaction. `pgq.admin.requeue()`
+is the plain function behind it, for scripts.
 """
 
 from __future__ import annotations
 
-import getpass
-import socket
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import IO, Any
 
 import click
-from sqlalchemy import Engine
 
+from pgq.admin import requeue
 from pgq.cli import State, pass_state
-from pgq.connect import first_line, schema_of
+from pgq.connect import first_line
 from pgq.errors import PgqError, UsageError
 from pgq.monitor import CHECK_EXIT_CODES
 from pgq.monitor import check as check_group
-from pgq.sql import admin as q
-from pgq.sql.publish import notify_channel
-from pgq.store import wrap_errors
-from pgq.topics import group_info
-
-MAX_LISTED_IDS = 10_000
-"""Most message ids one audit row lists; `count` always has the full number."""
-
-_SHOWN_INVALID = 20
-
 
 # --- pgq check ------------------------------------------------------------------
 
@@ -87,23 +74,6 @@ def check(state: State, group: str) -> None:
 # --- pgq requeue ----------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class RequeueResult:
-    """What one requeue did: how many rows, and the audit row that records it."""
-
-    count: int
-    audit_id: int
-
-
-def default_actor() -> str:
-    """`user@host` of whoever runs this (for the audit row)."""
-    try:
-        user = getpass.getuser()
-    except Exception:  # no USER/LOGNAME and no passwd entry (some containers)
-        user = "unknown"
-    return f"{user}@{socket.gethostname()}"
-
-
 def parse_ids(values: Iterable[str]) -> list[int]:
     """Message ids from `--id` values (each one id or a comma-separated list), deduplicated.
 
@@ -117,66 +87,6 @@ def parse_ids(values: Iterable[str]) -> list[int]:
                 raise UsageError(f"invalid message id {part.strip()!r}: use positive integers")
             ids[int(text)] = None
     return list(ids)
-
-
-def _id_list(ids: Sequence[int]) -> str:
-    shown = ", ".join(str(i) for i in ids[:_SHOWN_INVALID])
-    more = len(ids) - _SHOWN_INVALID
-    return f"{shown} and {more} more" if more > 0 else shown
-
-
-def requeue(
-    engine: Engine,
-    group: str,
-    ids: Sequence[int] | None = None,
-    *,
-    all_dead: bool = False,
-    reason: str,
-    actor: str | None = None,
-    max_listed: int = MAX_LISTED_IDS,
-) -> RequeueResult:
-    """Requeue dead rows of `group` (the ones in `ids`, or every one with `all_dead`).
-
-    Each row becomes ready now: attempts, reclaims and refundable charges reset
-    to 0, error class cleared; `last_error` and `refunds` stay. One `audit` row
-    records the group, action `requeue`, the ids (at most `max_listed`, the
-    smallest), the full count, `reason` and `actor` (default `user@host`). All
-    in one transaction. Raises `UsageError` for bad arguments, and when any of
-    `ids` is not a dead row of the group (`not dead: 12, 13`): then nothing is
-    written. With `all_dead` the rows never pass through Python, so any number
-    of them works in bounded memory.
-    """
-    if (ids is None or len(ids) == 0) == (not all_dead):
-        raise UsageError("requeue takes either ids or all_dead=True (not both)")
-    why = " ".join((reason or "").split())
-    if not why:
-        raise UsageError("a requeue needs a non-empty reason")
-    params: dict[str, Any] = {
-        "reason": why,
-        "actor": actor or default_actor(),
-        "max_listed": max_listed,
-    }
-    with wrap_errors(), engine.begin() as conn:
-        info = group_info(conn, group)
-        params["gid"] = info.id
-        if all_dead:
-            statement = q.requeue_all()
-        else:
-            wanted = list(dict.fromkeys(ids or ()))
-            found = set(conn.execute(q.lock_dead_ids(), {"gid": info.id, "ids": wanted}).scalars())
-            missing = [i for i in wanted if i not in found]
-            if missing:
-                raise UsageError(
-                    f"not dead: {_id_list(missing)} (not dead rows of group {group!r};"
-                    " nothing requeued)"
-                )
-            params["ids"] = wanted
-            statement = q.requeue_ids()
-        audit_id, count = conn.execute(statement, params).one()
-        if count:
-            channel = notify_channel(schema_of(engine))
-            conn.execute(q.notify(), {"channel": channel, "topic": info.topic})
-    return RequeueResult(count=int(count), audit_id=int(audit_id))
 
 
 @click.command("requeue")

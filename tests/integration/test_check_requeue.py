@@ -17,7 +17,7 @@ import pgq
 from pgq import monitor
 from pgq import schema as t
 from pgq.cli import cli
-from pgq.cli_admin import requeue
+from pgq.admin import requeue
 from pgq.errors import UnknownGroup, UsageError
 
 GROUP = "billing"

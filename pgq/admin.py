@@ -1,0 +1,100 @@
+"""Audited administration of dead rows: `requeue` (behind `pgq requeue`)."""
+
+from __future__ import annotations
+
+import getpass
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine
+
+from pgq.connect import schema_of
+from pgq.errors import UsageError
+from pgq.sql import admin as q
+from pgq.sql.publish import notify_channel
+from pgq.store import wrap_errors
+from pgq.topics import group_info
+
+MAX_LISTED_IDS = 10_000
+"""Most message ids one audit row lists; `count` always has the full number."""
+
+_SHOWN_INVALID = 20
+
+
+@dataclass(frozen=True, slots=True)
+class RequeueResult:
+    """What one requeue did: how many rows, and the audit row that records it."""
+
+    count: int
+    audit_id: int
+
+
+def default_actor() -> str:
+    """`user@host` of whoever runs this (for the audit row)."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # no USER/LOGNAME and no passwd entry (some containers)
+        user = "unknown"
+    return f"{user}@{socket.gethostname()}"
+
+
+def _id_list(ids: Sequence[int]) -> str:
+    shown = ", ".join(str(i) for i in ids[:_SHOWN_INVALID])
+    more = len(ids) - _SHOWN_INVALID
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+def requeue(
+    engine: Engine,
+    group: str,
+    ids: Sequence[int] | None = None,
+    *,
+    all_dead: bool = False,
+    reason: str,
+    actor: str | None = None,
+    max_listed: int = MAX_LISTED_IDS,
+) -> RequeueResult:
+    """Requeue dead rows of `group` (the ones in `ids`, or every one with `all_dead`).
+
+    Each row becomes ready now: attempts, reclaims and refundable charges reset
+    to 0, error class cleared; `last_error` and `refunds` stay. One `audit` row
+    records the group, action `requeue`, the ids (at most `max_listed`, the
+    smallest), the full count, `reason` and `actor` (default `user@host`). All
+    in one transaction. Raises `UsageError` for bad arguments, and when any of
+    `ids` is not a dead row of the group (`not dead: 12, 13`): then nothing is
+    written. With `all_dead` the rows never pass through Python, so any number
+    of them works in bounded memory.
+    """
+    if (ids is None or len(ids) == 0) == (not all_dead):
+        raise UsageError("requeue takes either ids or all_dead=True (not both)")
+    why = " ".join((reason or "").split())
+    if not why:
+        raise UsageError("a requeue needs a non-empty reason")
+    params: dict[str, Any] = {
+        "reason": why,
+        "actor": actor or default_actor(),
+        "max_listed": max_listed,
+    }
+    with wrap_errors(), engine.begin() as conn:
+        info = group_info(conn, group)
+        params["gid"] = info.id
+        if all_dead:
+            statement = q.requeue_all()
+        else:
+            wanted = list(dict.fromkeys(ids or ()))
+            found = set(conn.execute(q.lock_dead_ids(), {"gid": info.id, "ids": wanted}).scalars())
+            missing = [i for i in wanted if i not in found]
+            if missing:
+                raise UsageError(
+                    f"not dead: {_id_list(missing)} (not dead rows of group {group!r};"
+                    " nothing requeued)"
+                )
+            params["ids"] = wanted
+            statement = q.requeue_ids()
+        audit_id, count = conn.execute(statement, params).one()
+        if count:
+            channel = notify_channel(schema_of(engine))
+            conn.execute(q.notify(), {"channel": channel, "topic": info.topic})
+    return RequeueResult(count=int(count), audit_id=int(audit_id))
