@@ -37,6 +37,7 @@ from sqlalchemy import Engine
 
 from pgq.connect import connect
 from pgq.consumer import Consumer
+from pgq.consumer.prober import PROBE_THREAD
 from pgq.message import Message
 from pgq.migrations import migrate
 from pgq.monitor import DEFAULT_MAX_REFUNDS, breaker_info, check, dead, status
@@ -145,7 +146,7 @@ class _Story:
         the dependency. Calls made by the group's prober are reported as probes."""
 
         def handle(msg: Message) -> None:
-            probe = threading.current_thread().name.startswith("pgq-probe")
+            probe = threading.current_thread().name == PROBE_THREAD
             try:
                 if isinstance(msg.payload, dict) and msg.payload.get("poison"):
                     time.sleep(HANDLER_SECONDS)

@@ -36,6 +36,9 @@ logger = logging.getLogger("pgq.breaker")
 
 RECONCILE_BATCH = 5000
 
+PROBE_THREAD = "pgq-probe-attempt"
+"""The name of the thread a group probe's handler runs in (handlers may log it)."""
+
 
 class LostLock(Exception):
     """The lock connection failed or no longer holds the probe lock."""
@@ -245,7 +248,7 @@ class Prober(threading.Thread):
             except BaseException as exc:
                 result["outcome"] = failure_outcome(m, row, exc)
 
-        runner = threading.Thread(target=call, name="pgq-probe-attempt", daemon=True)
+        runner = threading.Thread(target=call, name=PROBE_THREAD, daemon=True)
         runner.start()
         runner.join(m.settings.handler_timeout)
         if "outcome" in result:
