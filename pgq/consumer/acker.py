@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 
-from pgq.consumer.member import Member
+from pgq.consumer.member import Member, Role
 from pgq.consumer.model import Outcome
 from pgq.errors import DatabaseUnavailable
 from pgq.store import RoleConnection
@@ -20,24 +20,17 @@ from pgq.store import RoleConnection
 logger = logging.getLogger("pgq.consumer")
 
 
-class Acker(threading.Thread):
+class Acker(Role):
     """Drains the outcome queue into batched, fenced writes."""
 
     def __init__(self, member: Member, outcomes: queue.SimpleQueue[Outcome]) -> None:
-        super().__init__(name="pgq-acker", daemon=True)
-        self.member = member
+        super().__init__(member, "pgq-acker")
         self.outcomes = outcomes
         self.finish = threading.Event()
         """Set once no more outcomes will come: flush and leave."""
         self.unwritten = 0
 
-    def run(self) -> None:
-        try:
-            self._run()
-        except Exception:
-            self.member.crash(self.name)
-
-    def _run(self) -> None:
+    def work(self) -> None:
         m = self.member
         conn = RoleConnection(m.engine, "acker", m.halt)
         batch_size = m.settings.batch_size

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import psycopg
 from psycopg import sql
 
 from pgq.consumer.gate import Gate
-from pgq.consumer.member import Member
+from pgq.consumer.member import Member, Role
 from pgq.consumer.model import Claimed
 from pgq.errors import DatabaseUnavailable
 from pgq.sql.publish import notify_channel
@@ -26,6 +27,9 @@ logger = logging.getLogger("pgq.consumer")
 
 DRAIN_RECHECK = 0.2
 """Seconds between checks while `until_empty` waits for other leases to expire."""
+
+STOP_CHECK = 0.2
+"""Longest stretch an idle fetcher listens without looking at its stop event."""
 
 
 class Listener:
@@ -48,15 +52,26 @@ class Listener:
         return self._conn
 
     def wait(self, timeout: float, stop: threading.Event) -> bool:
-        """Wait up to `timeout` for a publish to this topic; True if one came."""
-        conn = self._connect()
-        if conn is None:
-            stop.wait(timeout)
-            return False
+        """Wait up to `timeout` (or until `stop`) for a publish to this topic.
+
+        True if one came, or if LISTEN only starts now: a publish committed
+        before it sent us nothing, so the caller must look again first.
+        """
+        if self._conn is None:
+            if self._connect() is None:
+                stop.wait(timeout)
+                return False
+            return True
+        conn = self._conn
+        deadline = time.monotonic() + timeout
         try:
-            for note in conn.notifies(timeout=timeout):
-                if note.payload == self.topic:
-                    return True
+            while not stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                for note in conn.notifies(timeout=min(left, STOP_CHECK)):
+                    if note.payload == self.topic:
+                        return True
         except psycopg.Error:
             self.close()
         return False
@@ -68,7 +83,7 @@ class Listener:
                 conn.close()
 
 
-class Fetcher(threading.Thread):
+class Fetcher(Role):
     """Keeps the pool filled while the gates allow it."""
 
     def __init__(
@@ -78,21 +93,14 @@ class Fetcher(threading.Thread):
         gate: Gate,
         release: Callable[[list[Claimed]], int],
     ) -> None:
-        super().__init__(name=f"pgq-fetcher-{member.store.group}", daemon=True)
-        self.member = member
+        super().__init__(member, f"pgq-fetcher-{member.store.group}")
         self.listener = listener
         self.gate = gate
         self.release = release
         self.wake = threading.Event()
         """Set by other threads to make an idle fetcher claim at once."""
 
-    def run(self) -> None:
-        try:
-            self._run()
-        except Exception:
-            self.member.crash(self.name)
-
-    def _run(self) -> None:
+    def work(self) -> None:
         m = self.member
         conn = RoleConnection(m.engine, "fetcher", m.stop_claiming)
         capacity = m.pool.capacity

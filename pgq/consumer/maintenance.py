@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pgq.consumer.member import Member
+from pgq.consumer.member import Member, Role
 from pgq.errors import DatabaseUnavailable
 from pgq.store import RoleConnection
 
@@ -31,12 +31,11 @@ class Task:
     failing: bool = False
 
 
-class Maintenance(threading.Thread):
+class Maintenance(Role):
     """Runs the member's periodic tasks until `finish` is set."""
 
     def __init__(self, member: Member, clock: Callable[[], float] = time.monotonic) -> None:
-        super().__init__(name="pgq-maintenance", daemon=True)
-        self.member = member
+        super().__init__(member, "pgq-maintenance")
         self.clock = clock
         self.finish = threading.Event()
         self._poked = threading.Event()
@@ -47,13 +46,7 @@ class Maintenance(threading.Thread):
         """Schedule `run` every `interval` seconds (first run at once)."""
         self.tasks.append(Task(name, interval, run))
 
-    def run(self) -> None:
-        try:
-            self._run()
-        except Exception:
-            self.member.crash(self.name)
-
-    def _run(self) -> None:
+    def work(self) -> None:
         try:
             while not self.finish.is_set():
                 now = self.clock()

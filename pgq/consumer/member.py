@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 from collections.abc import Callable
@@ -142,3 +143,22 @@ class Member:
             reached = self.max_messages is not None and self.tally.handled >= self.max_messages
         if reached:
             self.request_stop("max_messages")
+
+
+class Role(threading.Thread, abc.ABC):
+    """A member's thread: `work()` runs guarded, so an unexpected error stops the
+    whole member (logged, shutdown unclean) instead of leaving it half alive."""
+
+    def __init__(self, member: Member, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.member = member
+
+    def run(self) -> None:
+        try:
+            self.work()
+        except Exception:
+            self.member.crash(self.name)
+
+    @abc.abstractmethod
+    def work(self) -> None:
+        """The thread's loop."""

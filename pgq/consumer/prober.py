@@ -24,7 +24,7 @@ from sqlalchemy import Connection, Engine
 from pgq.breaker import probe_delay
 from pgq.connect import connect, conninfo_of, schema_of
 from pgq.consumer.gate import Gate
-from pgq.consumer.member import Member
+from pgq.consumer.member import Member, Role
 from pgq.consumer.model import Claimed, Outcome
 from pgq.consumer.workers import failure_outcome
 from pgq.errors import DatabaseUnavailable
@@ -88,7 +88,7 @@ class LockConnection:
         self.engine.dispose()
 
 
-class Prober(threading.Thread):
+class Prober(Role):
     """Runs elections, probes, the close and the reconciliation for one member."""
 
     def __init__(
@@ -99,8 +99,7 @@ class Prober(threading.Thread):
         one_shot: bool,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        super().__init__(name="pgq-prober", daemon=True)
-        self.member = member
+        super().__init__(member, "pgq-prober")
         self.gate = gate
         self.one_shot = one_shot
         self.clock = clock
@@ -112,13 +111,7 @@ class Prober(threading.Thread):
 
     # -- election ---------------------------------------------------------------
 
-    def run(self) -> None:
-        try:
-            self._run()
-        except Exception:
-            self.member.crash(self.name)
-
-    def _run(self) -> None:
+    def work(self) -> None:
         m = self.member
         try:
             while not m.stopping.is_set():

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pgq.backoff import retry_delay
-from pgq.consumer.member import Member
+from pgq.consumer.member import Member, Role
 from pgq.consumer.model import Claimed, Outcome
 from pgq.errors import RetryLater
 
@@ -47,7 +47,7 @@ def failure_outcome(member: Member, row: Claimed, exc: BaseException) -> Outcome
     return Outcome(row, "retry", delay=delay, error_class=error_class, error=text)
 
 
-class Worker(threading.Thread):
+class Worker(Role):
     """Takes rows from the pool and runs the handler on each."""
 
     def __init__(
@@ -58,8 +58,7 @@ class Worker(threading.Thread):
         admit: Callable[[Claimed], bool],
         clock: Clock,
     ) -> None:
-        super().__init__(name=f"pgq-worker-{index}", daemon=True)
-        self.member = member
+        super().__init__(member, f"pgq-worker-{index}")
         self.report = report
         self.admit = admit
         self.clock = clock
@@ -67,13 +66,7 @@ class Worker(threading.Thread):
         self._lock = threading.Lock()
         self.current: Attempt | None = None
 
-    def run(self) -> None:
-        try:
-            self._run()
-        except Exception:
-            self.member.crash(self.name)
-
-    def _run(self) -> None:
+    def work(self) -> None:
         m = self.member
         while not self.retired.is_set():
             row = m.pool.take(timeout=0.5)

@@ -9,6 +9,7 @@ that lost its lock) cannot close a newer one.
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -30,6 +31,7 @@ from sqlalchemy import (
 from sqlalchemy.sql import Executable
 
 from pgq import schema as t
+from pgq.sql.claim import lease_picked
 
 br, hist, mb, d, g = t.breaker, t.breaker_history, t.member, t.delivery, t.consumer_group
 
@@ -39,6 +41,18 @@ def _live_members() -> object:
         mb.c.group_id == bindparam("gid"),
         mb.c.left_at.is_(None),
         mb.c.last_seen > func.now() - bindparam("ttl", type_=Interval),
+    )
+
+
+def _recorded(flipped: Any, state: Any) -> Executable:
+    """Insert the history row of a transition made by the CTE `flipped`; returns its epoch."""
+    return (
+        insert(hist)
+        .from_select(
+            ["group_id", "epoch", "state", "by_member"],
+            select(flipped.c.group_id, flipped.c.epoch, state, bindparam("member")),
+        )
+        .returning(hist.c.epoch)
     )
 
 
@@ -95,14 +109,7 @@ def open_on_quorum() -> Executable:
         .returning(br.c.group_id, br.c.epoch)
         .cte("flipped")
     )
-    return (
-        insert(hist)
-        .from_select(
-            ["group_id", "epoch", "state", "by_member"],
-            select(flipped.c.group_id, flipped.c.epoch, t.OPEN, bindparam("member")),
-        )
-        .returning(hist.c.epoch)
-    )
+    return _recorded(flipped, t.OPEN)
 
 
 @cache
@@ -164,17 +171,10 @@ def close() -> Executable:
         .returning(br.c.group_id, br.c.epoch)
         .cte("flipped")
     )
-    return (
-        insert(hist)
-        .from_select(
-            ["group_id", "epoch", "state", "by_member"],
-            select(flipped.c.group_id, flipped.c.epoch, t.CLOSED, bindparam("member")),
-        )
-        .returning(hist.c.epoch)
-    )
+    return _recorded(flipped, t.CLOSED)
 
 
-def _probe_pick(where: object, order: tuple[object, ...]) -> Executable:
+def _probe_pick(where: Any, order: tuple[Any, ...]) -> Executable:
     pick = (
         select(d.c.message_id)
         .where(d.c.group_id == bindparam("gid"), where)
@@ -183,34 +183,7 @@ def _probe_pick(where: object, order: tuple[object, ...]) -> Executable:
         .with_for_update(skip_locked=True)
         .cte("pick")
     )
-    return (
-        update(d)
-        .where(
-            d.c.group_id == bindparam("gid"),
-            d.c.message_id == pick.c.message_id,
-            t.message.c.id == d.c.message_id,
-        )
-        .values(
-            state=t.LEASED,
-            lease_owner=bindparam("member"),
-            lease_seq=d.c.lease_seq + 1,
-            lease_expires_at=func.now() + bindparam("lease", type_=Interval),
-            updated_at=func.now(),
-        )
-        .returning(
-            d.c.message_id,
-            d.c.lease_seq,
-            d.c.attempts,
-            d.c.reclaims,
-            d.c.refundable_attempts,
-            d.c.error_class,
-            t.message.c.topic_id,
-            t.message.c.key,
-            t.message.c.payload,
-            t.message.c.headers,
-            t.message.c.created_at,
-        )
-    )
+    return lease_picked(pick)
 
 
 @cache

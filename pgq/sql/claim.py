@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -24,8 +25,8 @@ from pgq import schema as t
 d, m = t.delivery, t.message
 
 
-def _leases() -> object:
-    """`unnest(:ids, :seqs)` as rows (message_id, seq): the leases an outcome names."""
+def held_leases() -> Any:
+    """`unnest(:ids, :seqs)` as rows (message_id, seq): the leases a statement names."""
     return (
         func.unnest(
             bindparam("ids", type_=ARRAY(BigInteger)), bindparam("seqs", type_=ARRAY(Integer))
@@ -40,8 +41,7 @@ def claim() -> Executable:
     """Lease up to `:limit` ready rows of `:group_id` to `:member` for `:lease`.
 
     Skips rows other members hold locks on (never waits); earliest available
-    first. Bumps `lease_seq` so every claim is a new fencing token. Returns the
-    rows joined with their messages.
+    first.
     """
     pick = (
         select(d.c.message_id)
@@ -52,6 +52,15 @@ def claim() -> Executable:
         .with_for_update(skip_locked=True)
         .cte("pick")
     )
+    return lease_picked(pick)
+
+
+def lease_picked(pick: Any) -> Executable:
+    """Lease the rows of the CTE `pick` (a `message_id` column) to `:member` for `:lease`.
+
+    Bumps `lease_seq`, so every claim is a new fencing token; returns the rows
+    joined with their messages, in the column order `GroupStore` reads.
+    """
     return (
         update(d)
         .where(
@@ -85,7 +94,7 @@ def claim() -> Executable:
 @cache
 def extend_leases() -> Executable:
     """Push the expiry of the leases `:ids`/`:seqs` still held by `:member` to now + `:lease`."""
-    held = _leases()
+    held = held_leases()
     return (
         update(d)
         .where(
@@ -102,7 +111,7 @@ def extend_leases() -> Executable:
 @cache
 def release() -> Executable:
     """Put the unstarted leases `:ids`/`:seqs` back to ready: no attempt, no reclaim charged."""
-    held = _leases()
+    held = held_leases()
     return (
         update(d)
         .where(

@@ -29,6 +29,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import Executable
 
 from pgq import schema as t
+from pgq.sql.claim import held_leases
 
 d = t.delivery
 
@@ -36,13 +37,7 @@ d = t.delivery
 @cache
 def ack_done() -> Executable:
     """Mark the leases `:ids`/`:seqs` of `:group_id` done, charging one attempt each."""
-    held = (
-        func.unnest(
-            bindparam("ids", type_=ARRAY(BigInteger)), bindparam("seqs", type_=ARRAY(Integer))
-        )
-        .table_valued("message_id", "seq")
-        .render_derived()
-    )
+    held = held_leases()
     return (
         update(d)
         .where(
