@@ -16,8 +16,8 @@ from sqlalchemy import Engine, select, update
 import pgq
 from pgq import monitor
 from pgq import schema as t
-from pgq.cli import cli
 from pgq.admin import requeue
+from pgq.cli import cli
 from pgq.errors import UnknownGroup, UsageError
 
 GROUP = "billing"

@@ -1,0 +1,157 @@
+"""Shared test helpers: bounded waiting, row states, and `pgq` subprocesses.
+
+Importable from every test module (the tests directory is on `sys.path`
+through its conftest). Nothing here sleeps in hope: `wait_until` polls a
+condition up to a deadline and fails the test with a message when it passes.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine, select
+
+import pgq
+from pgq import schema as t
+
+T = TypeVar("T")
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+_SCRIPT = Path(sys.executable).with_name("pgq")
+PGQ = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "pgq.cli"]
+"""The real `pgq` command of this virtual environment."""
+
+FAST = {
+    "breaker_heartbeat": 0.2,
+    "breaker_member_ttl": 1.0,
+    "retry_backoff": 0.05,
+    "poll_interval": 0.1,
+}
+"""Short consumer settings for tests (keyword spelling)."""
+
+
+def wait_until(
+    predicate: Callable[[], T], timeout: float, message: str = "", interval: float = 0.02
+) -> T:
+    """Poll `predicate` until it returns something truthy (returned), or fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {message or predicate}")
+        time.sleep(interval)
+
+
+def rows(engine: Engine, group: str) -> dict[int, Any]:
+    """The delivery rows of `group` by message id (every column of `pgq.delivery`)."""
+    d, g = t.delivery, t.consumer_group
+    with engine.connect() as conn:
+        found = conn.execute(
+            select(d)
+            .join(g, g.c.id == d.c.group_id)
+            .where(g.c.name == group)
+            .order_by(d.c.message_id)
+        ).all()
+    return {r.message_id: r for r in found}
+
+
+def states(engine: Engine, group: str) -> Counter[str]:
+    """How many delivery rows of `group` are in each state."""
+    return Counter(r.state for r in rows(engine, group).values())
+
+
+def wait_for_frontier(engine: Engine, group: str, target: int, timeout: float = 30.0) -> None:
+    """Wait until `group`'s `committed` is `target`.
+
+    The frontier only passes transactions older than the cluster-wide xmin, so
+    another session on a shared server can hold it up for a while: the
+    timeout is generous, and the failure names the backend holding it.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        status = pgq.status(engine, group)
+        if status["committed"] == target:
+            return
+        if time.monotonic() >= deadline:
+            raise AssertionError(
+                f"committed is {status['committed']}, not {target}, after {timeout:g}s;"
+                f" frontier held by {status['frontier_held_by']}"
+            )
+        time.sleep(0.05)
+
+
+def pin_frontier(engine: Engine, topic: str) -> int:
+    """Publish a message nobody may claim for an hour; return its id.
+
+    The committed frontier stops before it, so the `done` rows of messages
+    published after it are not pruned and a test can read their attempts and
+    reclaims. It stays `ready` (waiting), so subtract it from the ready counts.
+    """
+    return pgq.publish(engine, topic, {"pin": True}, delay=3600)
+
+
+def db_now(engine: Engine) -> Any:
+    """The database clock (leases and retry times use it)."""
+    with engine.connect() as conn:
+        return conn.exec_driver_sql("SELECT now()").scalar_one()
+
+
+# -- `pgq` subprocesses ------------------------------------------------------------
+
+
+def consumer_env(pgq_env: Mapping[str, str], out: Path, **extra: object) -> dict[str, str]:
+    """Environment for a `pgq consume` subprocess using `tests/handlers.py`.
+
+    `out` is where the handlers record what they did; `extra` sets more
+    variables (settings as `PGQ_LEASE=...`, handler knobs as `TESTQ_...`).
+    """
+    env = dict(pgq_env)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
+    env["TESTQ_DIR"] = str(out)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def spawn_pgq(env: Mapping[str, str], *args: str, log: Path | None = None) -> subprocess.Popen[str]:
+    """Start `pgq *args`; its stderr goes to the file `log` when given, else to a pipe."""
+    stderr: Any = log.open("w") if log is not None else subprocess.PIPE
+    try:
+        return subprocess.Popen(
+            [*PGQ, *args],
+            env=dict(env),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    finally:
+        if log is not None:
+            stderr.close()
+
+
+def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]:
+    """Wait for `proc` (killing it past `timeout`): (exit code, stdout, stderr)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"process did not exit within {timeout:g}s:\n{err}") from None
+    return proc.returncode, out, err or ""
+
+
+def read_ids(out: Path, kind: str, tag: str = "*") -> list[int]:
+    """The message ids the handlers recorded under `kind` (of process `tag`, default all)."""
+    ids: list[int] = []
+    for path in sorted(out.glob(f"{kind}-{tag}")):
+        ids.extend(int(line.split()[0]) for line in path.read_text().splitlines() if line)
+    return ids
