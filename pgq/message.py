@@ -6,7 +6,8 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any, Literal
 
-StopReason = Literal["empty", "max_messages", "max_runtime", "signal", "breaker_open", "stopped"]
+StopReason = Literal["empty", "max_messages", "max_runtime", "signal", "breaker_open"]
+"""Why a run ended. `signal`: asked to stop from outside (SIGTERM/SIGINT, `stop()`)."""
 
 
 @dataclass(frozen=True, slots=True)

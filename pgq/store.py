@@ -22,7 +22,7 @@ import psycopg.errors
 from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.sql import Executable
-from tenacity import Retrying, retry_if_exception_type, wait_exponential
+from tenacity import Retrying, retry_if_exception, wait_exponential
 
 from pgq.connect import first_line, schema_of
 from pgq.errors import BadDsn, DatabaseUnavailable, PgqError, SchemaMissing
@@ -115,12 +115,16 @@ class RoleConnection:
         """
         try:
             return self.run(fn, *args)  # the common case, without tenacity's overhead
-        except DatabaseUnavailable:
-            if self.stop.is_set():
+        except DatabaseUnavailable as exc:
+            if self.stop.is_set() or isinstance(exc, BadDsn):
                 raise
         gate = self.stop
         retryer = Retrying(
-            retry=retry_if_exception_type(DatabaseUnavailable),
+            # an address the server refuses (no such database, bad login) is not
+            # an outage: retrying would not help
+            retry=retry_if_exception(
+                lambda e: isinstance(e, DatabaseUnavailable) and not isinstance(e, BadDsn)
+            ),
             wait=wait_exponential(multiplier=0.1, max=5.0),
             stop=lambda state: gate.is_set(),
             sleep=lambda seconds: gate.wait(seconds) and None,

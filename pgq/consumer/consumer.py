@@ -146,7 +146,7 @@ class Consumer:
             s.effective_prefetch,
         )
 
-    def stop(self, timeout: float | None = None, reason: StopReason = "stopped") -> RunSummary:
+    def stop(self, timeout: float | None = None, reason: StopReason = "signal") -> RunSummary:
         """Stop gracefully; `timeout` overrides `shutdown_grace`.
 
         When `run()` is blocking in another thread, this only asks it to stop
@@ -317,13 +317,16 @@ class Consumer:
         if self._summary is not None:
             return self._summary
         deadline = time.monotonic() + grace
-        member.request_stop("stopped")
+        member.request_stop("signal")
         fetcher: Fetcher = self._threads["fetcher"]
         workers: Workers = self._threads["workers"]
         acker: Acker = self._threads["acker"]
         maintenance: Maintenance = self._threads["maintenance"]
+        # release what no worker started before waiting for anything; then what
+        # the fetcher's last claim (if one was in flight) added after that
+        self._release(member, member.pool.close() + member.take_deferred())
         fetcher.join(max(0.0, deadline - time.monotonic()))
-        self._release(member, member.pool.close())
+        self._release(member, member.pool.drain() + member.take_deferred())
         overran = workers.join(deadline)
         acker.finish.set()
         acker.join(max(1.0, deadline - time.monotonic()))
@@ -373,5 +376,5 @@ class Consumer:
                 released=t.released,
                 reclaimed=t.reclaimed,
                 waiting_retry=waiting,
-                stop_reason=member.stop_reason or "stopped",
+                stop_reason=member.stop_reason or "signal",
             )

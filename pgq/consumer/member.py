@@ -84,7 +84,7 @@ class Member:
         logger.exception("thread crashed thread=%s member=%s; stopping", thread, self.name)
         with self.lock:
             self.crashed.append(thread)
-        self.request_stop("stopped")
+        self.request_stop("signal")
 
     def hold(self, rows: list[Claimed]) -> None:
         """Remember freshly claimed rows (their leases are extended until written)."""

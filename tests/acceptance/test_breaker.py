@@ -110,6 +110,8 @@ def group(engine: Engine, pgq_env: dict[str, str], tmp_path: Path) -> Iterator[G
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+        for log in sorted(tmp_path.glob("*.log")):  # shown by pytest when the test failed
+            print(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-40:]))
 
 
 def probe_lock_holders(pg_dsn: str, schema: str) -> int:
@@ -178,8 +180,9 @@ def test_outage_opens_group_probes_once_and_refunds_on_close(group, pg_dsn, sche
 
 def test_lone_bad_node_trips_alone_and_nothing_is_refunded(group):
     ids = publish_work(group.engine, poison=0)
-    group.start("good1", PGQ_MAX_ATTEMPTS=20)
-    group.start("good2", PGQ_MAX_ATTEMPTS=20)
+    # the good members are slow enough that the bad one sees plenty of work
+    group.start("good1", PGQ_MAX_ATTEMPTS=20, TESTQ_SLEEP=0.03)
+    group.start("good2", PGQ_MAX_ATTEMPTS=20, TESTQ_SLEEP=0.03)
     group.start("bad", PGQ_MAX_ATTEMPTS=20, TESTQ_BAD=1)
     wait_until(lambda: group.member("bad").get("local_breaker") == "open", 30, "bad to trip")
     wait_until(lambda: group.status()["lag"] == 0, 60, "the others to finish")

@@ -217,7 +217,7 @@ def test_an_idle_consumer_wakes_on_notify_and_stops_promptly(orders):
         summary = c.stop()
     assert time.monotonic() - started < 2.0  # neither the poll interval nor the grace
     assert c.clean
-    assert (summary.done, summary.stop_reason) == (3, "stopped")
+    assert (summary.done, summary.stop_reason) == (3, "signal")
 
 
 def test_max_messages_stops_after_that_many_finished_attempts(orders):
