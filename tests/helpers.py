@@ -39,16 +39,26 @@ FAST = {
 
 
 def wait_until(
-    predicate: Callable[[], T], timeout: float, message: str = "", interval: float = 0.02
+    predicate: Callable[[], T],
+    timeout: float,
+    message: str = "",
+    interval: float = 0.02,
+    describe: Callable[[], object] | None = None,
 ) -> T:
-    """Poll `predicate` until it returns something truthy (returned), or fail after `timeout`."""
+    """Poll `predicate` until it returns something truthy (returned), or fail after `timeout`.
+
+    `describe`, when given, is called on failure and its result added to the message.
+    """
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {message or predicate}")
+            detail = f": {describe()}" if describe is not None else ""
+            raise AssertionError(
+                f"timed out after {timeout:g}s waiting for {message or predicate}{detail}"
+            )
         time.sleep(interval)
 
 

@@ -251,6 +251,8 @@ class Consumer:
         fetcher: Fetcher | None = self._threads.get("fetcher")
         if fetcher is not None:
             fetcher.wake.set()
+        if self._member is not None:
+            self._member.pool.wake()  # a fetcher waiting for space re-checks the gate now
         maintenance: Maintenance | None = self._threads.get("maintenance")
         if maintenance is not None:
             maintenance.poke("heartbeat")

@@ -124,8 +124,8 @@ class Fetcher(Role):
                 free = min(free, self.gate.ramp(capacity) - len(m.pool))
                 budget = m.budget()
                 limit = min(m.settings.batch_size, free, budget if budget is not None else free)
-                if limit <= 0 or m.stop_claiming.is_set():
-                    continue
+                if limit <= 0 or m.stop_claiming.is_set() or self.gate.is_open():
+                    continue  # the gate may have closed while we waited for space
                 try:
                     rows = conn.retrying(m.store.claim, limit, self.gate.epoch)
                 except DatabaseUnavailable:

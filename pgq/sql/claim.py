@@ -41,12 +41,19 @@ def claim() -> Executable:
     """Lease up to `:limit` ready rows of `:group_id` to `:member` for `:lease`.
 
     Skips rows other members hold locks on (never waits); earliest available
-    first.
+    first. Claims nothing while the group breaker is OPEN: the database is the
+    last gate, so a member that has not heard of the open yet (it just started,
+    its heartbeat is due) cannot take rows either; the prober's probe claim is
+    separate.
     """
+    br = t.breaker
+    group_open = (
+        select(br.c.group_id).where(br.c.group_id == bindparam("gid"), br.c.state == t.OPEN)
+    ).exists()
     pick = (
         select(d.c.message_id)
         .where(d.c.group_id == bindparam("gid"), d.c.state == t.READY)
-        .where(d.c.available_at <= func.now())
+        .where(d.c.available_at <= func.now(), ~group_open)
         .order_by(d.c.available_at, d.c.message_id)
         .limit(bindparam("limit"))
         .with_for_update(skip_locked=True)

@@ -146,11 +146,23 @@ def test_outage_opens_group_probes_once_and_refunds_on_close(group, pg_dsn, sche
 
     wait_until(lambda: group.breaker()["state"] == "OPEN", 30, "the group to open")
     # attempts that started before the open finish; then only the probe may be leased
-    wait_until(lambda: group.status()["counts"]["leased"] <= 1, 15, "in-flight attempts to end")
+    wait_until(
+        lambda: group.status()["counts"]["leased"] <= 1,
+        15,
+        "in-flight attempts to end",
+        describe=lambda: [
+            (m, r.lease_owner) for m, r in rows(group.engine, "g").items() if r.state == "leased"
+        ],
+    )
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
         assert probe_lock_holders(pg_dsn, schema) <= 1
-        assert group.status()["counts"]["leased"] <= 1
+        leased = [
+            (mid, r.lease_owner, r.attempts, r.lease_seq, str(r.updated_at))
+            for mid, r in rows(group.engine, "g").items()
+            if r.state == "leased"
+        ]
+        assert len(leased) <= 1, (leased, group.breaker())
         time.sleep(0.05)
     wait_until(lambda: group.breaker()["prober"] is not None, 10, "a prober to be elected")
     assert probe_lock_holders(pg_dsn, schema) == 1
