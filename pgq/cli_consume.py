@@ -50,7 +50,7 @@ def load_handler(path: str) -> Callable[..., Any]:
             raise HandlerImportError(f"handler {path!r}: {module_name} has no {attr!r}")
     if not callable(target):
         raise HandlerImportError(f"handler {path!r} is not callable")
-    return target  # type: ignore[no-any-return]
+    return target
 
 
 def _duration(value: str | None) -> float | None:

@@ -75,7 +75,9 @@ def connect(
     if pool_size is None:
         engine_kwargs["poolclass"] = NullPool
     else:
-        engine_kwargs.update(pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True)
+        engine_kwargs.setdefault("pool_size", pool_size)
+        engine_kwargs.setdefault("max_overflow", pool_size)
+        engine_kwargs.setdefault("pool_pre_ping", True)
     engine = create_engine(
         "postgresql+psycopg://",
         connect_args=psycopg.conninfo.conninfo_to_dict(conninfo),

@@ -83,5 +83,5 @@ def serve_metrics(port: int, consumer: Consumer) -> None:
         raise ConfigError(
             "--metrics-port needs the 'metrics' extra: pip install 'pgq-breaker[metrics]'"
         ) from None
-    REGISTRY.register(ConsumerCollector(consumer))  # type: ignore[arg-type]
+    REGISTRY.register(ConsumerCollector(consumer))
     start_http_server(port)

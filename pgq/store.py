@@ -15,13 +15,13 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import psycopg
 import psycopg.errors
 from sqlalchemy import Connection, Engine
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.sql import Executable
+from sqlalchemy.sql import ClauseElement, Executable
 from tenacity import Retrying, retry_if_exception, wait_exponential
 
 from pgq.connect import first_line, schema_of
@@ -119,6 +119,10 @@ class RoleConnection:
             if self.stop.is_set() or isinstance(exc, BadDsn):
                 raise
         gate = self.stop
+
+        def nap(seconds: float) -> None:
+            gate.wait(seconds)  # a stop ends the wait at once
+
         retryer = Retrying(
             # an address the server refuses (no such database, bad login) is not
             # an outage: retrying would not help
@@ -127,7 +131,7 @@ class RoleConnection:
             ),
             wait=wait_exponential(multiplier=0.1, max=5.0),
             stop=lambda state: gate.is_set(),
-            sleep=lambda seconds: gate.wait(seconds) and None,
+            sleep=nap,
             before_sleep=lambda state: logger.warning(
                 "database unavailable role=%s attempt=%d error=%s",
                 self.role,
@@ -157,6 +161,9 @@ class RoleConnection:
 
 ERROR_TEXT_MAX = 2000
 
+EXPIRE_BATCH = 5000
+"""Messages one retention statement deletes at most (one short transaction each)."""
+
 _compiled: dict[tuple[int, str], tuple[str, dict[str, Any]]] = {}
 
 
@@ -171,7 +178,7 @@ def run_hot(conn: Connection, stmt: Executable, params: dict[str, Any]) -> list[
     key = (id(stmt), schema)
     hit = _compiled.get(key)
     if hit is None:
-        compiled = stmt.compile(
+        compiled = cast(ClauseElement, stmt).compile(
             dialect=conn.dialect,
             schema_translate_map={SCHEMA_PLACEHOLDER: schema},
             render_schema_translate=True,
@@ -181,7 +188,10 @@ def run_hot(conn: Connection, stmt: Executable, params: dict[str, Any]) -> list[
     driver = conn.connection.driver_connection
     assert driver is not None
     with driver.cursor() as cur:
-        cur.execute(sql, {**defaults, **params})
+        # never a server-side prepared statement: a generic plan made while the
+        # table was small or unanalyzed would stick (claims went from 2 ms to 60 ms
+        # as a backlog grew); planning each batch anew costs a fraction of that
+        cur.execute(sql, {**defaults, **params}, prepare=False)
         return cur.fetchall() if cur.description else []
 
 
@@ -394,11 +404,13 @@ class GroupStore:
         """Prune done rows that finished behind the frontier after it passed them."""
         return int(conn.execute(frontier_sql.prune_behind(), {"gid": self.gid}).scalar() or 0)
 
-    def expire_messages(self, conn: Connection, topic_id: int, retention: float) -> int:
+    def expire_messages(
+        self, conn: Connection, topic_id: int, retention: float, limit: int = EXPIRE_BATCH
+    ) -> int:
         """Delete one batch of messages past retention that no group still holds."""
         rows = conn.execute(
             frontier_sql.delete_expired_messages(),
-            {"topic_id": topic_id, "retention": dt.timedelta(seconds=retention), "limit": 5000},
+            {"topic_id": topic_id, "retention": dt.timedelta(seconds=retention), "limit": limit},
         ).all()
         return len(rows)
 

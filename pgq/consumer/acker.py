@@ -19,16 +19,24 @@ from pgq.store import RoleConnection
 
 logger = logging.getLogger("pgq.consumer")
 
+IDLE_WAIT = 1.0
+"""Seconds an idle acker sleeps between checks (`stop()` wakes it at once)."""
+
 
 class Acker(Role):
     """Drains the outcome queue into batched, fenced writes."""
 
-    def __init__(self, member: Member, outcomes: queue.SimpleQueue[Outcome]) -> None:
+    def __init__(self, member: Member, outcomes: queue.SimpleQueue[Outcome | None]) -> None:
         super().__init__(member, "pgq-acker")
         self.outcomes = outcomes
         self.finish = threading.Event()
         """Set once no more outcomes will come: flush and leave."""
         self.unwritten = 0
+
+    def stop(self) -> None:
+        """No more outcomes will come: write what is queued, then leave."""
+        self.finish.set()
+        self.outcomes.put(None)  # wakes a waiting acker at once
 
     def work(self) -> None:
         m = self.member
@@ -39,16 +47,21 @@ class Acker(Role):
             while True:
                 if not pending:
                     try:
-                        pending.append(self.outcomes.get(timeout=0.1))
+                        first = self.outcomes.get(timeout=IDLE_WAIT)
                     except queue.Empty:
-                        if self.finish.is_set():
+                        first = None
+                    if first is None:
+                        if self.finish.is_set() and self.outcomes.empty():
                             return
                         continue
+                    pending.append(first)
                 while len(pending) < batch_size:
                     try:
-                        pending.append(self.outcomes.get_nowait())
+                        more = self.outcomes.get_nowait()
                     except queue.Empty:
                         break
+                    if more is not None:
+                        pending.append(more)
                 try:
                     applied = conn.retrying(m.store.record, pending)
                 except DatabaseUnavailable:

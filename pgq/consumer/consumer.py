@@ -208,7 +208,7 @@ class Consumer:
 
     def _build_threads(self, member: Member) -> None:
         s = self.settings
-        outcomes: queue.SimpleQueue[Outcome] = queue.SimpleQueue()
+        outcomes: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
         gate = self._gate
 
         def report(outcome: Outcome) -> None:
@@ -233,7 +233,7 @@ class Consumer:
         maintenance.add("sweep", max(0.05, min(1.0, s.lease / 3)), maintenance.sweep)
         maintenance.add("frontier", 1.0, maintenance.advance_frontier)
         maintenance.add("prune", 60.0, maintenance.prune)
-        maintenance.add("retention", 300.0, maintenance.expire_messages)
+        maintenance.add("retention", 60.0, maintenance.expire_messages)
         maintenance.add("handler-timeouts", min(0.5, s.handler_timeout / 4), workers.check_timeouts)
         self._threads = {
             "workers": workers,
@@ -330,7 +330,7 @@ class Consumer:
         fetcher.join(max(0.0, deadline - time.monotonic()))
         self._release(member, member.pool.drain() + member.take_deferred())
         overran = workers.join(deadline)
-        acker.finish.set()
+        acker.stop()
         acker.join(max(1.0, deadline - time.monotonic()))
         member.halt.set()
         acker.join(5.0)

@@ -124,6 +124,12 @@ class Fetcher(Role):
                 free = min(free, self.gate.ramp(capacity) - len(m.pool))
                 budget = m.budget()
                 limit = min(m.settings.batch_size, free, budget if budget is not None else free)
+                room = m.room()
+                if room < limit:  # outcomes are not written as fast as rows finish
+                    limit = room
+                    if limit <= 0:
+                        self.wake.wait(0.05)
+                        self.wake.clear()
                 if limit <= 0 or m.stop_claiming.is_set() or self.gate.is_open():
                     continue  # the gate may have closed while we waited for space
                 try:

@@ -15,9 +15,12 @@ from dataclasses import dataclass
 
 from pgq.consumer.member import Member, Role
 from pgq.errors import DatabaseUnavailable
-from pgq.store import RoleConnection
+from pgq.store import EXPIRE_BATCH, RoleConnection
 
 logger = logging.getLogger("pgq.consumer")
+
+EXPIRE_BUDGET = 2.0
+"""Seconds one retention pass may spend deleting (it runs every minute)."""
 
 
 @dataclass(slots=True)
@@ -121,5 +124,10 @@ class Maintenance(Role):
         self.conn.run(self.member.store.prune_behind)
 
     def expire_messages(self) -> None:
+        """Delete messages past retention, batch after batch, for up to two seconds."""
         m = self.member
-        self.conn.run(m.store.expire_messages, m.topic_id, m.settings.retention)
+        deadline = self.clock() + EXPIRE_BUDGET
+        while not self.finish.is_set() and self.clock() < deadline:
+            deleted = self.conn.run(m.store.expire_messages, m.topic_id, m.settings.retention)
+            if deleted < EXPIRE_BATCH:
+                return

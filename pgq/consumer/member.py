@@ -120,6 +120,15 @@ class Member:
         with self.lock:
             return max(0, self.max_messages - self.tally.handled - len(self.held))
 
+    def room(self) -> int:
+        """How many more rows the member may hold: buffered, running, or waiting for
+        their outcome to be written. Bounds what a slow acker lets pile up (all of
+        it would be delivered again after a crash)."""
+        s = self.settings
+        most = self.pool.capacity + s.workers + 2 * s.batch_size
+        with self.lock:
+            return max(0, most - len(self.held))
+
     def idle(self) -> bool:
         """Nothing buffered, running or waiting to be written."""
         with self.lock:

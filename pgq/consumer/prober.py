@@ -245,7 +245,7 @@ class Prober(Role):
         runner.start()
         runner.join(m.settings.handler_timeout)
         if "outcome" in result:
-            return result["outcome"]  # type: ignore[no-any-return]
+            return result["outcome"]
         exc = TimeoutError(
             f"probe ran longer than handler_timeout ({m.settings.handler_timeout:g}s)"
         )

@@ -23,6 +23,9 @@ logger = logging.getLogger("pgq.consumer")
 
 Clock = Callable[[], float]
 
+IDLE_WAIT = 5.0
+"""Seconds an idle worker sleeps between checks (few wake-ups when idle)."""
+
 
 @dataclass(slots=True, eq=False)
 class Attempt:
@@ -69,7 +72,7 @@ class Worker(Role):
     def work(self) -> None:
         m = self.member
         while not self.retired.is_set():
-            row = m.pool.take(timeout=0.5)
+            row = m.pool.take(timeout=IDLE_WAIT)  # closing the pool wakes every worker
             if row is None:
                 if m.stop_claiming.is_set() and len(m.pool) == 0:
                     return

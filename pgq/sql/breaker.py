@@ -28,7 +28,7 @@ from sqlalchemy import (
     table,
     update,
 )
-from sqlalchemy.sql import Executable
+from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
 from pgq.sql.claim import lease_picked
@@ -36,7 +36,7 @@ from pgq.sql.claim import lease_picked
 br, hist, mb, d, g = t.breaker, t.breaker_history, t.member, t.delivery, t.consumer_group
 
 
-def _live_members() -> object:
+def _live_members() -> ColumnElement[bool]:
     return and_(
         mb.c.group_id == bindparam("gid"),
         mb.c.left_at.is_(None),

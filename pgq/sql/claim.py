@@ -9,6 +9,7 @@ from sqlalchemy import (
     BigInteger,
     Integer,
     Interval,
+    any_,
     bindparam,
     case,
     func,
@@ -23,6 +24,17 @@ from sqlalchemy.sql import Executable
 from pgq import schema as t
 
 d, m = t.delivery, t.message
+
+
+def named_rows() -> Any:
+    """`message_id = ANY(:ids)`: with `group_id` an index condition on the primary key.
+
+    Every fenced statement carries it next to its join with `unnest(:ids, ...)`,
+    so the plan stays a primary-key lookup per named row whatever the planner
+    believes about the table (stale statistics once made it loop over every
+    leased row of the group for each ack).
+    """
+    return d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger)))
 
 
 def held_leases() -> Any:
@@ -106,6 +118,7 @@ def extend_leases() -> Executable:
         update(d)
         .where(
             d.c.group_id == bindparam("gid"),
+            named_rows(),
             d.c.message_id == held.c.message_id,
             d.c.lease_seq == held.c.seq,
             d.c.lease_owner == bindparam("member"),
@@ -123,6 +136,7 @@ def release() -> Executable:
         update(d)
         .where(
             d.c.group_id == bindparam("gid"),
+            named_rows(),
             d.c.message_id == held.c.message_id,
             d.c.lease_seq == held.c.seq,
             d.c.lease_owner == bindparam("member"),

@@ -9,20 +9,21 @@ publishing transaction is still open. Each step reads only the rows it passes
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 from sqlalchemy import BigInteger, Interval, bindparam, cast, exists, func, select, tuple_, update
-from sqlalchemy.sql import Executable
+from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
 
 d, g, m = t.delivery, t.consumer_group, t.message
 
 
-def _xmin() -> object:
+def _xmin() -> ColumnElement[Any]:
     return func.pg_snapshot_xmin(func.pg_current_snapshot())
 
 
-def _after_frontier() -> object:
+def _after_frontier() -> ColumnElement[bool]:
     """(xid, message_id) beyond `:cx`/`:cid` (group `:gid`)."""
     return tuple_(d.c.xid, d.c.message_id) > tuple_(
         cast(bindparam("cx"), t.XID8()), bindparam("cid", type_=BigInteger)
@@ -136,6 +137,7 @@ def delete_expired_messages() -> Executable:
         .where(~held_by_any)
         .order_by(m.c.id)
         .limit(bindparam("limit"))
+        .with_for_update(skip_locked=True)  # members expiring at once split the work
         .scalar_subquery()
     )
     return m.delete().where(m.c.id.in_(victims)).returning(m.c.id)

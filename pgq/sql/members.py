@@ -6,14 +6,14 @@ from functools import cache
 
 from sqlalchemy import Integer, Interval, and_, bindparam, func, literal_column, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.sql import Executable
+from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
 
 mb, d, br = t.member, t.delivery, t.breaker
 
 
-def _live() -> object:
+def _live() -> ColumnElement[bool]:
     """A member row is live: not left, seen within `:ttl`."""
     return and_(
         mb.c.left_at.is_(None), mb.c.last_seen > func.now() - bindparam("ttl", type_=Interval)

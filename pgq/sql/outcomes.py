@@ -29,7 +29,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import Executable
 
 from pgq import schema as t
-from pgq.sql.claim import held_leases
+from pgq.sql.claim import held_leases, named_rows
 
 d = t.delivery
 
@@ -42,6 +42,7 @@ def ack_done() -> Executable:
         update(d)
         .where(
             d.c.group_id == bindparam("gid"),
+            named_rows(),
             d.c.message_id == held.c.message_id,
             d.c.lease_seq == held.c.seq,
             d.c.lease_owner == bindparam("member"),
@@ -87,6 +88,7 @@ def record_failures() -> Executable:
         update(d)
         .where(
             d.c.group_id == bindparam("gid"),
+            named_rows(),
             d.c.message_id == o.c.message_id,
             d.c.lease_seq == o.c.seq,
             d.c.lease_owner == bindparam("member"),
