@@ -33,6 +33,8 @@ from pgq.sql import claim as claim_sql
 from pgq.sql import frontier as frontier_sql
 from pgq.sql import members as member_sql
 from pgq.sql import outcomes as outcome_sql
+from pgq.sql import stats as stats_sql
+from pgq.sql.locks import lock_key, try_xact_lock
 
 if TYPE_CHECKING:
     from pgq.consumer.model import Claimed, Outcome
@@ -161,6 +163,12 @@ class RoleConnection:
 
 ERROR_TEXT_MAX = 2000
 
+STATS_MIN_CHANGES = 1000
+STATS_CHANGED_SHARE = 0.2
+STATS_MIN_AGE = 30.0
+"""ANALYZE delivery when at least 1,000 rows and 20 % of it changed since the last
+analyze, and that one is at least 30 s old (see `pgq.sql.stats`)."""
+
 EXPIRE_BATCH = 5000
 """Messages one retention statement deletes at most (one short transaction each)."""
 
@@ -188,10 +196,10 @@ def run_hot(conn: Connection, stmt: Executable, params: dict[str, Any]) -> list[
     driver = conn.connection.driver_connection
     assert driver is not None
     with driver.cursor() as cur:
-        # never a server-side prepared statement: a generic plan made while the
-        # table was small or unanalyzed would stick (claims went from 2 ms to 60 ms
-        # as a backlog grew); planning each batch anew costs a fraction of that
-        cur.execute(sql, {**defaults, **params}, prepare=False)
+        # prepared after a few calls (psycopg's default): planning the claim anew
+        # each time costs ~1 ms of server CPU per batch. The plan is only as good
+        # as the table's statistics, which the maintenance thread keeps fresh.
+        cur.execute(sql, {**defaults, **params})
         return cur.fetchall() if cur.description else []
 
 
@@ -399,6 +407,28 @@ class GroupStore:
             conn.execute(frontier_sql.advance(), {**here, "nx": new[0], "nid": new[1]}).scalar()
             or 0
         )
+
+    def refresh_statistics(self, conn: Connection) -> bool:
+        """ANALYZE the delivery table when it changed a lot since its statistics were
+        taken (one member at a time); returns whether it did."""
+        schema = schema_of(conn)
+        row = conn.execute(
+            stats_sql.delivery_changes(), {"relation": f'"{schema}".delivery'}
+        ).one_or_none()
+        if row is None:
+            return False
+        changed, live, age = int(row[0] or 0), int(row[1] or 0), row[2]
+        if changed < STATS_MIN_CHANGES or changed < STATS_CHANGED_SHARE * live:
+            return False
+        if age is not None and float(age) < STATS_MIN_AGE:
+            return False
+        if not conn.execute(try_xact_lock(lock_key(schema, "analyze"))).scalar():
+            return False
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        driver.execute(stats_sql.analyze(schema))
+        logger.info("analyzed delivery schema=%s changed=%d live=%d", schema, changed, live)
+        return True
 
     def prune_behind(self, conn: Connection) -> int:
         """Prune done rows that finished behind the frontier after it passed them."""

@@ -232,6 +232,7 @@ class Consumer:
         maintenance.add("extend-leases", max(0.05, s.lease / 3), maintenance.extend_leases)
         maintenance.add("sweep", max(0.05, min(1.0, s.lease / 3)), maintenance.sweep)
         maintenance.add("frontier", 1.0, maintenance.advance_frontier)
+        maintenance.add("statistics", 10.0, maintenance.refresh_statistics)
         maintenance.add("prune", 60.0, maintenance.prune)
         maintenance.add("retention", 60.0, maintenance.expire_messages)
         maintenance.add("handler-timeouts", min(0.5, s.handler_timeout / 4), workers.check_timeouts)

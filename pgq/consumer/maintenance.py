@@ -120,6 +120,9 @@ class Maintenance(Role):
     def advance_frontier(self) -> None:
         self.conn.run(self.member.store.advance_frontier)
 
+    def refresh_statistics(self) -> None:
+        self.conn.run(self.member.store.refresh_statistics)
+
     def prune(self) -> None:
         self.conn.run(self.member.store.prune_behind)
 

@@ -27,3 +27,8 @@ def try_session_lock(key: int) -> Select[tuple[bool]]:
 def unlock_session(key: int) -> Select[tuple[bool]]:
     """Release a session-level advisory lock."""
     return select(func.pg_advisory_unlock(key))
+
+
+def try_xact_lock(key: int) -> Select[tuple[bool]]:
+    """Try a transaction-scoped advisory lock (released at commit); never waits."""
+    return select(func.pg_try_advisory_xact_lock(key))
