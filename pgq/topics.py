@@ -114,14 +114,14 @@ def publish_many(
     the messages become claimable) apply to every message of the batch.
     """
     check_name("topic", topic)
-    batch = [to_json(p) for p in payloads]
+    batch = payloads if isinstance(payloads, list) else list(payloads)
     if not batch:
         return []
     if delay is not None and delay < 0:
         raise UsageError("delay must be >= 0")
     params = {
         "topic": topic,
-        "payloads": batch,
+        "payloads": to_json(batch),
         "key": key,
         "headers": to_json(dict(headers)) if headers is not None else None,
         "delay": dt.timedelta(seconds=delay or 0.0),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from functools import cache
 
 from sqlalchemy import Integer, Interval, Text, bindparam, cast, func, insert, select, true
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
+from sqlalchemy.dialects.postgresql import JSONB, aggregate_order_by
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql import Executable
 
@@ -66,7 +66,8 @@ def backfill_group() -> Executable:
 
 @cache
 def publish_batch() -> Executable:
-    """Publish `:payloads` (JSON array elements) to topic `:topic` in one statement.
+    """Publish the elements of `:payloads` (one JSON array, as text) to topic `:topic`
+    in one statement (one parameter: PostgreSQL splits the array, not the driver).
 
     Locks the topic row FOR KEY SHARE (so a concurrent subscribe waits for this
     transaction), inserts the messages in input order, inserts one ready
@@ -80,8 +81,8 @@ def publish_batch() -> Executable:
         .with_for_update(read=True, key_share=True)
     ).cte("topic_row")
     src = (
-        func.unnest(cast(bindparam("payloads", type_=ARRAY(Text)), ARRAY(JSONB)))
-        .table_valued("payload", with_ordinality="ord")
+        func.jsonb_array_elements(cast(bindparam("payloads", type_=Text), JSONB))
+        .table_valued("value", with_ordinality="ord")
         .render_derived()
     )
     new_messages = (
@@ -91,7 +92,7 @@ def publish_batch() -> Executable:
             select(
                 topic_row.c.id,
                 bindparam("key", type_=Text),
-                src.c.payload,
+                src.c.value,
                 cast(bindparam("headers", type_=Text), JSONB),
             )
             .select_from(topic_row.join(src, true()))
