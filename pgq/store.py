@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -273,7 +273,7 @@ class GroupStore:
         group, topic = self.group, self.topic
         return [
             Claimed(
-                Message(r[0], topic, group, r[7], r[8], r[9], r[2] + 1, r[10]), r[1], r[2], epoch
+                Message(r[0], topic, group, r[3], r[4], r[5], r[2] + 1, r[6]), r[1], r[2], epoch
             )
             for r in rows
         ]
@@ -312,12 +312,16 @@ class GroupStore:
 
     def record(self, conn: Connection, outcomes: list[Outcome]) -> set[int]:
         """Write a batch of outcomes in this transaction; returns the ids applied."""
-        done = [o.claimed.lease for o in outcomes if o.kind == "done"]
+        done = [o.claimed for o in outcomes if o.kind == "done"]
         failed = [o for o in outcomes if o.kind != "done"]
         applied: set[int] = set()
         if done:
-            ids, seqs = _split(done)
-            params = {"gid": self.gid, "ids": ids, "seqs": seqs, "member": self.member}
+            params = {
+                "gid": self.gid,
+                "ids": int_array(row.message.id for row in done),
+                "seqs": int_array(row.seq for row in done),
+                "member": self.member,
+            }
             applied.update(r[0] for r in run_hot(conn, outcome_sql.ack_done(), params))
         if failed:
             params = {
@@ -484,6 +488,12 @@ class GroupStore:
             {"gid": self.gid, "member": self.member, "ttl": dt.timedelta(seconds=ttl)},
         ).one()
         return DrainState(int(row[0]), int(row[1]), int(row[2]))
+
+
+def int_array(values: Iterable[int]) -> str:
+    """An integer array as PostgreSQL's text literal: one string for the driver to
+    send, instead of a list it would adapt element by element."""
+    return "{" + ",".join(map(str, values)) + "}"
 
 
 def _split(leases: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
