@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import logging
 import os
 import socket
@@ -270,10 +271,15 @@ class GroupStore:
     def _claimed(self, rows: Any, epoch: int) -> list[Claimed]:
         from pgq.consumer.model import Claimed
 
-        group, topic = self.group, self.topic
+        group, topic, loads = self.group, self.topic, json.loads
         return [
             Claimed(
-                Message(r[0], topic, group, r[3], r[4], r[5], r[2] + 1, r[6]), r[1], r[2], epoch
+                Message(
+                    r[0], topic, group, r[3], loads(r[4]), r[5] and loads(r[5]), r[2] + 1, r[6]
+                ),
+                r[1],
+                r[2],
+                epoch,
             )
             for r in rows
         ]

@@ -9,9 +9,11 @@ from sqlalchemy import (
     BigInteger,
     Integer,
     Interval,
+    Text,
     any_,
     bindparam,
     case,
+    cast,
     func,
     literal,
     or_,
@@ -99,8 +101,10 @@ def lease_picked(pick: Any) -> Executable:
             d.c.lease_seq,
             d.c.attempts,
             m.c.key,
-            m.c.payload,
-            m.c.headers,
+            # as text: json.loads on str is the C fast path (the driver's jsonb
+            # loader decodes bytes through the slower pure-Python path)
+            cast(m.c.payload, Text),
+            cast(m.c.headers, Text),
             m.c.created_at,
         )
     )
