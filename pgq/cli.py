@@ -104,7 +104,7 @@ class State:
     def engine(self) -> Engine:
         """The engine for this invocation (created on first use, disposed on exit)."""
         if self._engine is None:
-            self._engine = connect(cli_dsn(self.dsn), schema=self.schema, pool_size=2)
+            self._engine = connect(cli_dsn(self.dsn), schema=self.schema)
         return self._engine
 
     @property

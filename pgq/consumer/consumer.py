@@ -40,6 +40,11 @@ from pgq.topics import check_name, group_info
 
 logger = logging.getLogger("pgq.consumer")
 
+CONNECTIONS_NEEDED = 6
+"""Pooled connections one member may use at once: fetcher, acker, maintenance,
+prober, and short ones (release, the final pass). LISTEN and the probe lock use
+their own connections outside the pool."""
+
 
 def default_member_name() -> str:
     """`host:pid:xxxx`, unique enough to tell members apart in `pgq members`."""
@@ -114,6 +119,7 @@ class Consumer:
         if max_messages is not None and max_messages < 1:
             raise UsageError("max_messages must be >= 1")
         s = self.settings
+        self._check_pool()
         info = self._group_info(until_empty)
         store = GroupStore(info.id, self.group, info.topic, self.name, s.lease, s.max_reclaims)
         member = Member(
@@ -190,6 +196,18 @@ class Consumer:
         if self._member is None:
             raise UsageError("consumer is not running")
         return self._member
+
+    def _check_pool(self) -> None:
+        """Warn when the engine's pool cannot hold what a member uses at once."""
+        pool = self.engine.pool
+        size = getattr(pool, "size", None)
+        overflow = getattr(pool, "_max_overflow", -1)
+        if callable(size) and overflow >= 0 and size() + overflow < CONNECTIONS_NEEDED:
+            logger.warning(
+                "engine pool too small pool=%d needed=%d: threads will wait for connections",
+                size() + overflow,
+                CONNECTIONS_NEEDED,
+            )
 
     def _group_info(self, until_empty: bool) -> Any:
         """The group row, waiting out an unreachable database (bounded by `lease`
