@@ -44,6 +44,15 @@ def _live_members() -> ColumnElement[bool]:
     )
 
 
+def _open_at_epoch() -> ColumnElement[bool]:
+    """The group `:gid` is still OPEN at `:at_epoch` (the epoch the caller probed under)."""
+    return and_(
+        br.c.group_id == bindparam("gid"),
+        br.c.state == t.OPEN,
+        br.c.epoch == bindparam("at_epoch", type_=Integer),
+    )
+
+
 def _recorded(flipped: Any, state: Any) -> Executable:
     """Insert the history row of a transition made by the CTE `flipped`; returns its epoch."""
     return (
@@ -127,11 +136,7 @@ def probe_failed() -> Executable:
     """A probe of the OPEN epoch `:at_epoch` failed systemically: back off to now + `:delay`."""
     return (
         update(br)
-        .where(
-            br.c.group_id == bindparam("gid"),
-            br.c.state == t.OPEN,
-            br.c.epoch == bindparam("at_epoch", type_=Integer),
-        )
+        .where(_open_at_epoch())
         .values(
             probe_failures=br.c.probe_failures + 1,
             next_probe_at=func.now() + bindparam("delay", type_=Interval),
@@ -148,11 +153,7 @@ def close() -> Executable:
     """
     flipped = (
         update(br)
-        .where(
-            br.c.group_id == bindparam("gid"),
-            br.c.state == t.OPEN,
-            br.c.epoch == bindparam("at_epoch", type_=Integer),
-        )
+        .where(_open_at_epoch())
         .values(
             state=t.CLOSED,
             epoch=br.c.epoch + 1,

@@ -10,6 +10,7 @@ from sqlalchemy import (
     Integer,
     Interval,
     Text,
+    and_,
     any_,
     bindparam,
     case,
@@ -21,7 +22,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.sql import Executable
+from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
 
@@ -37,6 +38,18 @@ def named_rows() -> Any:
     leased row of the group for each ack).
     """
     return d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger)))
+
+
+def fenced(leases: Any) -> ColumnElement[bool]:
+    """Rows of `:gid` that `leases` (columns `message_id`, `seq`) names and that are
+    still leased to `:member` under that sequence number: the lease fence."""
+    return and_(
+        d.c.group_id == bindparam("gid"),
+        named_rows(),
+        d.c.message_id == leases.c.message_id,
+        d.c.lease_seq == leases.c.seq,
+        d.c.lease_owner == bindparam("member"),
+    )
 
 
 def held_leases() -> Any:
@@ -116,13 +129,7 @@ def extend_leases() -> Executable:
     held = held_leases()
     return (
         update(d)
-        .where(
-            d.c.group_id == bindparam("gid"),
-            named_rows(),
-            d.c.message_id == held.c.message_id,
-            d.c.lease_seq == held.c.seq,
-            d.c.lease_owner == bindparam("member"),
-        )
+        .where(fenced(held))
         .values(lease_expires_at=func.now() + bindparam("lease", type_=Interval))
         .returning(d.c.message_id)
     )
@@ -134,13 +141,7 @@ def release() -> Executable:
     held = held_leases()
     return (
         update(d)
-        .where(
-            d.c.group_id == bindparam("gid"),
-            named_rows(),
-            d.c.message_id == held.c.message_id,
-            d.c.lease_seq == held.c.seq,
-            d.c.lease_owner == bindparam("member"),
-        )
+        .where(fenced(held))
         .values(state=t.READY, lease_owner=None, lease_expires_at=None, updated_at=func.now())
         .returning(d.c.message_id)
     )

@@ -29,7 +29,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import Executable
 
 from pgq import schema as t
-from pgq.sql.claim import held_leases, named_rows
+from pgq.sql.claim import fenced, held_leases
 
 d = t.delivery
 
@@ -40,13 +40,7 @@ def ack_done() -> Executable:
     held = held_leases()
     return (
         update(d)
-        .where(
-            d.c.group_id == bindparam("gid"),
-            named_rows(),
-            d.c.message_id == held.c.message_id,
-            d.c.lease_seq == held.c.seq,
-            d.c.lease_owner == bindparam("member"),
-        )
+        .where(fenced(held))
         .values(
             state=t.DONE,
             attempts=d.c.attempts + 1,
@@ -86,13 +80,7 @@ def record_failures() -> Executable:
     systemic = o.c["class"] == t.SYSTEMIC
     return (
         update(d)
-        .where(
-            d.c.group_id == bindparam("gid"),
-            named_rows(),
-            d.c.message_id == o.c.message_id,
-            d.c.lease_seq == o.c.seq,
-            d.c.lease_owner == bindparam("member"),
-        )
+        .where(fenced(o))
         .values(
             state=o.c.state,
             attempts=d.c.attempts + o.c.charge,
