@@ -26,12 +26,14 @@ Modes (several may be given; `--compare` is the same as the mode `compare`):
   compare    one table: pgq (one entry per --workers value) and the anchors
   publish    publish_many throughput ({"i": n} and 1 KB payloads, batches of
              1,000, one subscribed group) and single publish() latency
-  consume    burn-down: a backlog of N drained by ONE consumer process
+  consume    burn-down: a backlog of N drained by --procs consumer processes
+             started together (default 1), each with --workers workers
   latency    idle publish-to-handler latency (a message every ~20 ms) and
              the idle consumer's CPU over 5 s
   sustained  producers at a steady rate for ~10 s while one consumer keeps up
   backlog    drain throughput with a big backlog vs a 20,000 backlog, with
-             EXPLAIN (ANALYZE, BUFFERS) of the claim statement
+             EXPLAIN (ANALYZE, BUFFERS) of the claim and ack statements (custom
+             plan, and the generic plan of the prepared statement)
   tablesize  push --total messages through in --chunk chunks with one
              long-running consumer; delivery/message sizes after each chunk
   profile    one consume run under py-spy; CPU per message by thread role
@@ -40,6 +42,7 @@ Modes (several may be given; `--compare` is the same as the mode `compare`):
 Examples:
   .venv/bin/python scripts/bench.py --compare --n 20000 --reps 3 --workers 8,64
   .venv/bin/python scripts/bench.py publish consume latency sustained --md out.md
+  .venv/bin/python scripts/bench.py consume --n 50000 --procs 1,4 --workers 8
   .venv/bin/python scripts/bench.py backlog --n 20000,1000000 --reps 1
   .venv/bin/python scripts/bench.py tablesize --total 2000000 --chunk 100000
   .venv/bin/python scripts/bench.py profile --n 20000 --workers 64
@@ -77,6 +80,7 @@ ROOT = THIS.parents[1]
 DEFAULT_ANCHORS = ROOT.parent / "shared" / "bench" / "anchors.py"
 DEFAULT_ANCHORS_VENV = ROOT / ".venv-anchors"
 RESULT = "@@RESULT@@"
+READY = "@@READY@@"
 TOPIC = "bench"
 GROUP = "bench-g"
 SCHEMA = "pgq"
@@ -231,6 +235,14 @@ def _db_counts(dsn: str, schema: str = SCHEMA, group: str = GROUP) -> dict[str, 
             (gid,),
         ).fetchone()
         messages = c.execute(f"SELECT count(*) FROM {schema}.message").fetchone()[0]
+    # and the same through pgq's own monitor (`pgq status GROUP --json`)
+    import pgq
+
+    engine = pgq.connect(dsn, schema=schema, pool_size=None)
+    try:
+        st = pgq.status(engine, group)
+    finally:
+        engine.dispose()
     # pruned rows were done rows of distinct ids (primary key (group_id, message_id))
     return {
         "db_done": done + pruned,
@@ -241,6 +253,11 @@ def _db_counts(dsn: str, schema: str = SCHEMA, group: str = GROUP) -> dict[str, 
         "db_dead": dead,
         "db_left": ready + leased,
         "db_messages": messages,
+        "status_done": st["counts"]["done"],
+        "status_lag": st["lag"],
+        "status_dead": st["counts"]["dead"],
+        "status_committed": st["committed"],
+        "status_members_live": sum(1 for m in st["members"] if m["live"]),
     }
 
 
@@ -291,19 +308,64 @@ def child_enqueue(dsn: str, n: int, batch: int, opts: dict) -> dict:
     return out
 
 
+def _placeholders(sql_text: str) -> list[str]:
+    """psycopg's named placeholders in order of first appearance (= its $1, $2, ...)."""
+    import re
+
+    names: list[str] = []
+    for name in re.findall(r"%\((\w+)\)s", sql_text):
+        if name not in names:
+            names.append(name)
+    return names
+
+
+def _explain_generic(raw, sql_text: str, warm: dict, params: dict) -> str:
+    """EXPLAIN (ANALYZE, BUFFERS) of `sql_text` run as a PREPARED statement with the
+    generic plan (the plan a prepared statement keeps once PostgreSQL stops making
+    custom plans; pgq's hot statements are prepared by psycopg after 5 runs).
+
+    The statement is prepared by psycopg itself (`prepare=True`, run once with
+    `warm`), found in `pg_prepared_statements`, then `EXPLAIN ... EXECUTE name(...)`
+    with `params` as literals under `plan_cache_mode = force_generic_plan`.
+    """
+    from psycopg import sql as psql
+
+    with raw.cursor() as cur:
+        cur.execute(sql_text, warm, prepare=True)
+    name = raw.execute(
+        "SELECT name FROM pg_prepared_statements WHERE NOT from_sql ORDER BY prepare_time DESC LIMIT 1"
+    ).fetchone()[0]
+    args = ", ".join(psql.Literal(params[k]).as_string(raw) for k in _placeholders(sql_text))
+    raw.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+    try:
+        plan = raw.execute(f"EXPLAIN (ANALYZE, BUFFERS) EXECUTE {name}({args})").fetchall()
+    finally:
+        raw.execute("SET LOCAL plan_cache_mode = auto")
+    return "\n".join(r[0] for r in plan)
+
+
 def explain_paths(engine) -> dict[str, str]:
     """EXPLAIN (ANALYZE, BUFFERS) of pgq's own claim and ack statements, rolled back.
 
-    In one transaction: claim 200 rows and ack 100 of them through pgq's store,
-    recording the exact SQL and parameters psycopg is given (pgq may run its hot
-    path on the raw driver cursor, so the capture is at psycopg's level), then
-    EXPLAIN ANALYZE the claim (LIMIT 100) and the ack of the other 100 leased
-    rows; roll back.
+    In one transaction: claim up to 400 rows and ack 100 of them through pgq's
+    store, recording the exact SQL and parameters psycopg is given (pgq runs its
+    hot path on the raw driver cursor, so the capture is at psycopg's level);
+    then, each on rows no other step touched:
+
+    * `claim` / `ack`: EXPLAIN ANALYZE of the statement with its parameters (a
+      custom plan, made for these values);
+    * `claim (generic plan)` / `ack (generic plan)`: the same statement as a
+      prepared statement forced onto its generic plan (see `_explain_generic`):
+      what a consumer runs once PostgreSQL settles on the generic plan.
+
+    Claims are for 100 rows, acks for 100 leased rows. Everything is rolled back;
+    the connection is thrown away after (it holds a prepared statement psycopg
+    does not know about any more).
     """
     import psycopg
 
     from pgq.consumer.model import Outcome
-    from pgq.store import GroupStore
+    from pgq.store import GroupStore, int_array
     from pgq.topics import group_info
 
     info = group_info(engine, GROUP)
@@ -322,38 +384,79 @@ def explain_paths(engine) -> dict[str, str]:
                 return text, p
         raise RuntimeError(f"no statement with {word!r} was sent: {[str(q)[:60] for q, _ in sent]}")
 
+    def acks(rows: list) -> dict:
+        p = dict(ack_params)
+        p["ids"] = int_array(r.id for r in rows)
+        p["seqs"] = int_array(r.seq for r in rows)
+        return p
+
     out: dict[str, str] = {}
-    with engine.connect() as c:
-        tx = c.begin()
+    c = engine.connect()
+    tx = c.begin()
+    try:
+        psycopg.Cursor.execute = spy  # type: ignore[method-assign]
         try:
-            psycopg.Cursor.execute = spy  # type: ignore[method-assign]
-            try:
-                rows = store.claim(c, 200, 0)
-                claim_sql, claim_params = last_with("lease_seq")
-                ack_sql = None
-                if len(rows) > 100:
-                    store.record(c, [Outcome(r, "done") for r in rows[:100]])
-                    ack_sql, ack_params = last_with("'done'")
-            finally:
-                psycopg.Cursor.execute = orig  # type: ignore[method-assign]
-            raw = c.connection.driver_connection
-            # custom plan (planned for these values), then the generic plan a
-            # prepared statement switches to after 5 executions (psycopg
-            # prepares pgq's repeated statements)
-            for mode, suffix in (("auto", ""), ("force_generic_plan", " (generic plan)")):
-                raw.execute(f"SET LOCAL plan_cache_mode = {mode}")
-                p = dict(claim_params)
-                p["limit"] = 100
-                plan = raw.execute("EXPLAIN (ANALYZE, BUFFERS) " + claim_sql, p).fetchall()
-                out["claim" + suffix] = "\n".join(r[0] for r in plan)
-                if ack_sql is not None:
-                    p = dict(ack_params)
-                    p["ids"] = [r.id for r in rows[100:]]
-                    p["seqs"] = [r.seq for r in rows[100:]]
-                    plan = raw.execute("EXPLAIN (ANALYZE, BUFFERS) " + ack_sql, p).fetchall()
-                    out["ack" + suffix] = "\n".join(r[0] for r in plan)
+            rows = store.claim(c, 400, 0)
+            claim_sql, claim_params = last_with("FOR UPDATE SKIP LOCKED")
+            ack_sql = None
+            if len(rows) >= 400:
+                store.record(c, [Outcome(r, "done") for r in rows[:100]])
+                ack_sql, ack_params = last_with("SET state='done'")
         finally:
-            tx.rollback()
+            psycopg.Cursor.execute = orig  # type: ignore[method-assign]
+        raw = c.connection.driver_connection
+        p = {**claim_params, "limit": 100}
+        plan = raw.execute("EXPLAIN (ANALYZE, BUFFERS) " + claim_sql, p).fetchall()
+        out["claim"] = "\n".join(r[0] for r in plan)
+        if ack_sql is not None:
+            plan = raw.execute(
+                "EXPLAIN (ANALYZE, BUFFERS) " + ack_sql, acks(rows[100:200])
+            ).fetchall()
+            out["ack"] = "\n".join(r[0] for r in plan)
+        out["claim (generic plan)"] = _explain_generic(raw, claim_sql, p, p)
+        if ack_sql is not None:
+            out["ack (generic plan)"] = _explain_generic(
+                raw, ack_sql, acks(rows[200:300]), acks(rows[300:400])
+            )
+    finally:
+        tx.rollback()
+        c.invalidate()
+        c.close()
+    return out
+
+
+def prepared_plans(engine) -> dict[str, dict[str, int]]:
+    """How often PostgreSQL used a generic vs a custom plan for pgq's prepared hot
+    statements, summed over the sessions idle in the engine's pool (after a run:
+    the fetcher's and the acker's connections are back there).
+
+    `pg_prepared_statements` is per session, so every pooled connection is checked
+    out at once and asked.
+    """
+    out: dict[str, dict[str, int]] = {}
+    held = []
+    try:
+        for _ in range(engine.pool.checkedin()):
+            held.append(engine.raw_connection())
+        for dbapi in held:
+            cur = dbapi.cursor()
+            cur.execute("SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements")
+            for stmt, generic, custom in cur.fetchall():
+                kind = (
+                    "claim"
+                    if "SKIP LOCKED" in stmt and "UPDATE" in stmt
+                    else "ack"
+                    if "SET state='done'" in stmt
+                    else "other"
+                )
+                k = out.setdefault(kind, {"generic": 0, "custom": 0, "statements": 0})
+                k["generic"] += int(generic)
+                k["custom"] += int(custom)
+                k["statements"] += 1
+            cur.close()
+    finally:
+        for dbapi in held:
+            dbapi.close()
     return out
 
 
@@ -398,8 +501,17 @@ def child_consume(dsn: str, n: int, opts: dict) -> dict:
             text=True,
         )
         time.sleep(1.5)  # let py-spy attach before the clock
+    if opts.get("barrier"):
+        # several consumer processes on one backlog: say we are ready (imports
+        # done, pool warm), then wait for the parent's go on stdin
+        sys.stdout.write(READY + "\n")
+        sys.stdout.flush()
+        sys.stdin.readline()
+    t_start = time.time()
     with Meter() as m:
         summary = consumer.run(until_empty=True)
+    out["t_start"], out["t_end"] = t_start, t_start + m.wall
+    out["t_last_handler"] = t_start + (stamp[0] - m.t0) if stamp[0] else None
     if spy is not None:
         spy.send_signal(signal.SIGINT)
         try:
@@ -410,6 +522,8 @@ def child_consume(dsn: str, n: int, opts: dict) -> dict:
     out.update(m.as_dict("consume"))
     out["tail_s"] = m.t1 - stamp[0] if stamp[0] else None
     out.update(handler_calls=len(seen), handler_distinct=len(set(seen)))
+    if opts.get("ids"):
+        out["ids"] = seen
     out.update(
         summary_handled=summary.handled,
         summary_done=summary.done,
@@ -418,7 +532,9 @@ def child_consume(dsn: str, n: int, opts: dict) -> dict:
         stop_reason=summary.stop_reason,
         clean=consumer.clean,
     )
-    out.update(_db_counts(dsn))
+    out["plans"] = prepared_plans(engine)
+    if not opts.get("barrier"):
+        out.update(_db_counts(dsn))  # with several processes the parent counts at the end
     if opts.get("explain"):
         out["explain_after"] = explain_paths(engine)
     s = consumer.settings
@@ -696,7 +812,30 @@ def _sizes(dsn: str, schema: str = SCHEMA) -> dict[str, Any]:
         "message_rows": row[5],
         "delivery_dead_tup": dead.get("delivery"),
         "delivery_autovacuums": vac.get("delivery"),
+        "message_dead_tup": dead.get("message"),
+        "message_autovacuums": vac.get("message"),
     }
+
+
+def _reloptions(dsn: str, schema: str = SCHEMA) -> dict[str, Any]:
+    """Storage parameters (fillfactor, autovacuum_*) pgq set on its big tables."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as c:
+        rows = c.execute(
+            "SELECT c.relname, c.reloptions FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname = %s AND c.relname IN ('delivery', 'message')",
+            (schema,),
+        ).fetchall()
+        server = {
+            k: c.execute(f"SHOW {k}").fetchone()[0]
+            for k in (
+                "autovacuum_naptime",
+                "autovacuum_vacuum_cost_limit",
+                "autovacuum_max_workers",
+            )
+        }
+    return {"tables": {r[0]: r[1] for r in rows}, "server": server}
 
 
 def _unresolved(dsn: str, schema: str = SCHEMA) -> int:
@@ -769,6 +908,7 @@ def child_tablesize(dsn: str, n: int, opts: dict) -> dict:
         done += k
     time.sleep(3.0)  # one more frontier round
     stop_s = run.stop()
+    reloptions = _reloptions(dsn)
     final = {"messages": done, "chunk_s": None, "after_stop": True}
     final.update(_sizes(dsn))
     rows.append(final)
@@ -781,6 +921,7 @@ def child_tablesize(dsn: str, n: int, opts: dict) -> dict:
         "workers": workers,
         "consumer_error": run.error,
         "stop_s": stop_s,
+        "reloptions": reloptions,
     }
     out.update(_db_counts(dsn))
     return out
@@ -853,6 +994,101 @@ def pgq_child(phase: str, dsn: str, n: int, opts: dict, args) -> dict:
         json.dumps(opts),
     ]
     return run_cmd(cmd, args.timeout)
+
+
+def consume_procs(dsn: str, n: int, workers: int, procs: int, args) -> dict:
+    """Drain one backlog of `n` with `procs` consumer PROCESSES of `workers` each.
+
+    Every child imports, builds its Consumer and warms its pool, reports ready,
+    and waits; the parent then lets them all go at once. Throughput = N / (last
+    child's return - first child's start); CPU = all children's CPU; exactly-once
+    over the union of the ids the handlers saw, plus the database counts.
+    """
+    base = [sys.executable, str(THIS), "--child", "consume", "--dsn", dsn, "--n", str(n)]
+    opts = {"workers": workers, "barrier": True, "ids": True}
+    kids: list[tuple[subprocess.Popen, Any]] = []
+    for _ in range(procs):
+        err = tempfile.TemporaryFile(mode="w+")
+        p = subprocess.Popen(
+            [*base, "--batch", str(args.batch), "--opts", json.dumps(opts)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        kids.append((p, err))
+    try:
+        early: list[str] = []
+        for p, _ in kids:
+            lines = []
+            while True:
+                line = p.stdout.readline()  # type: ignore[union-attr]
+                if not line or line.strip() == READY:
+                    break
+                lines.append(line)
+            early.append("".join(lines))
+        for p, _ in kids:  # go
+            with contextlib.suppress(BrokenPipeError):
+                p.stdin.write("go\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+        results = []
+        for (p, err), head in zip(kids, early, strict=True):
+            try:
+                out, _ = p.communicate(timeout=args.timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, _ = p.communicate()
+                head += f"\n(timed out after {args.timeout:.0f}s: HANG?)"
+            err.seek(0)
+            results.append(_parse_result(head + (out or ""), err.read(), p.returncode))
+    finally:
+        for p, err in kids:
+            if p.poll() is None:
+                p.kill()
+            err.close()
+    bad = [r for r in results if not r.get("ok")]
+    if bad:
+        return {"ok": False, "error": bad[0].get("error", "?"), "stderr": bad[0].get("stderr", "")}
+    first = min(r["t_start"] for r in results)
+    last = max(r["t_end"] for r in results)
+    last_handler = max((r["t_last_handler"] or 0) for r in results)
+    longest = max(results, key=lambda r: r["consume_s"])
+    ids = [i for r in results for i in r["ids"]]
+    comb: dict[str, Any] = {
+        "ok": True,
+        "procs": procs,
+        "workers": workers,
+        "consume_s": last - first,
+        "consume_client_cpu_s": sum(r["consume_client_cpu_s"] for r in results),
+        "consume_client_sys_s": sum(r["consume_client_sys_s"] for r in results),
+        # the whole machine during the longest child's window (they overlap)
+        "consume_machine_busy_cores": longest["consume_machine_busy_cores"],
+        "rss_peak_mb": max(r["rss_peak_mb"] for r in results),
+        "tail_s": last - last_handler if last_handler else None,
+        "start_spread_s": max(r["t_start"] for r in results) - first,
+        "per_proc_handled": [r["handler_calls"] for r in results],
+        "per_proc_s": [r["consume_s"] for r in results],
+        "handler_calls": len(ids),
+        "handler_distinct": len(set(ids)),
+        "summary_handled": sum(r["summary_handled"] for r in results),
+        "summary_done": sum(r["summary_done"] for r in results),
+        "summary_released": sum(r["summary_released"] for r in results),
+        "summary_reclaimed": sum(r["summary_reclaimed"] for r in results),
+        "stop_reason": "empty"
+        if all(r["stop_reason"] == "empty" for r in results)
+        else ",".join(str(r["stop_reason"]) for r in results),
+        "clean": all(r["clean"] for r in results),
+        "config": (f"{procs} consumer process(es), each: {results[0]['config']}"),
+    }
+    plans: dict[str, dict[str, int]] = {}
+    for r in results:
+        for kind, v in (r.get("plans") or {}).items():
+            agg = plans.setdefault(kind, {"generic": 0, "custom": 0, "statements": 0})
+            for key in agg:
+                agg[key] += v.get(key, 0)
+    comb["plans"] = plans
+    comb.update(_db_counts(dsn))
+    return comb
 
 
 def anchor_child(phase: str, system: str, dsn: str, n: int, args) -> dict:
@@ -1030,6 +1266,17 @@ def _git_state() -> str:
     return head + (f" + uncommitted changes in {', '.join(files)}" if files else " (clean pgq/)")
 
 
+def _plans_text(c: dict) -> str:
+    """`claim 3/195, ack 0/201`: generic/custom plan executions of the prepared statements."""
+    plans = c.get("plans") or {}
+    parts = [
+        f"{k} {plans[k]['generic']:,}/{plans[k]['custom']:,}"
+        for k in ("claim", "ack")
+        if k in plans
+    ]
+    return ", ".join(parts) or "—"
+
+
 def exactly_once(n: int, c: dict) -> list[str]:
     problems = []
     for key in ("handler_calls", "handler_distinct", "db_done", "db_done_distinct"):
@@ -1039,6 +1286,10 @@ def exactly_once(n: int, c: dict) -> list[str]:
         problems.append(f"db_left={c.get('db_left')} != 0")
     if c.get("db_dead"):
         problems.append(f"db_dead={c.get('db_dead')}")
+    if "status_done" in c and (c["status_done"] != n or c["status_lag"] or c["status_dead"]):
+        problems.append(
+            f"pgq.status: done={c['status_done']} lag={c['status_lag']} dead={c['status_dead']}"
+        )
     for key in ("summary_handled", "summary_done"):
         if key in c and c[key] != n:
             problems.append(f"{key}={c[key]} != {n}")
@@ -1097,7 +1348,8 @@ def mode_compare(srv: Server, args, report: dict) -> list[str]:
                     f"[{rep}] {name:14s} enqueue {run['enqueue_msgs_s']:>9,.0f}/s  consume "
                     f"{run['consume_msgs_s']:>9,.0f}/s ({c['consume_s']:.2f}s, cpu "
                     f"{c['consume_client_cpu_s'] * 1e6 / n:.0f} µs/msg, busy "
-                    f"{c['consume_machine_busy_cores']:.2f}, rss {c['rss_peak_mb']:.0f}MB) "
+                    f"{c['consume_machine_busy_cores']:.2f}, rss {c['rss_peak_mb']:.0f}MB"
+                    f"{'; plans generic/custom ' + _plans_text(c) if c.get('plans') else ''}) "
                     f"{'OK' if not run['problems'] else run['problems']}"
                 )
             else:
@@ -1290,82 +1542,131 @@ def mode_publish(srv: Server, args, report: dict) -> list[str]:
 
 
 def _consume_runs(
-    srv: Server, args, ns: list[int], workers: list[int], tag: str, explain: bool = False
-) -> dict[tuple[int, int], list[dict]]:
-    raw: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    srv: Server,
+    args,
+    ns: list[int],
+    workers: list[int],
+    tag: str,
+    explain: bool = False,
+    procs: list[int] | None = None,
+) -> dict[tuple[int, int, int], list[dict]]:
+    """Burn-downs: for each rep, N, workers (and process count), a fresh database,
+    `publish_many` of N, an untimed ANALYZE, then the drain. Without `procs` ONE
+    consumer child (optionally with EXPLAIN); with `procs` that many consumer
+    processes started together (`consume_procs`)."""
+    raw: dict[tuple[int, int, int], list[dict]] = defaultdict(list)
     for rep in range(args.reps):
         for n in ns:
             for w in workers:
-                with srv.database(f"{tag}_{n}_{w}_{rep}") as dsn:
-                    e = pgq_child("enqueue", dsn, n, {"payload": "i"}, args)
-                    if e.get("ok") and args.analyze:
-                        srv.analyze(dsn)
-                    c = (
-                        pgq_child(
-                            "consume", dsn, n, {"workers": w, "explain": explain and rep == 0}, args
+                for k in procs or [1]:
+                    with srv.database(f"{tag}_{n}_{w}_{k}_{rep}") as dsn:
+                        e = pgq_child("enqueue", dsn, n, {"payload": "i"}, args)
+                        if e.get("ok") and args.analyze:
+                            srv.analyze(dsn)
+                        if not e.get("ok"):
+                            c = {"ok": False, "error": "enqueue failed"}
+                        elif procs:
+                            c = consume_procs(dsn, n, w, k, args)
+                        else:
+                            c = pgq_child(
+                                "consume",
+                                dsn,
+                                n,
+                                {"workers": w, "explain": explain and rep == 0},
+                                args,
+                            )
+                    run = {"rep": rep, "n": n, "workers": w, "procs": k, "enqueue": e, "consume": c}
+                    label = f"[{rep}] {tag} N={n:,} workers={w}" + (f" procs={k}" if procs else "")
+                    if e.get("ok") and c.get("ok"):
+                        run["problems"] = exactly_once(n, c)
+                        run["enqueue_msgs_s"] = n / e["enqueue_s"]
+                        run["consume_msgs_s"] = n / c["consume_s"]
+                        extra = (
+                            f", per process {c['per_proc_handled']}, start spread "
+                            f"{c['start_spread_s'] * 1e3:.0f} ms"
+                            if procs and k > 1
+                            else ""
                         )
-                        if e.get("ok")
-                        else {"ok": False, "error": "enqueue failed"}
-                    )
-                run = {"rep": rep, "n": n, "workers": w, "enqueue": e, "consume": c}
-                if e.get("ok") and c.get("ok"):
-                    run["problems"] = exactly_once(n, c)
-                    run["enqueue_msgs_s"] = n / e["enqueue_s"]
-                    run["consume_msgs_s"] = n / c["consume_s"]
-                    log(
-                        f"[{rep}] {tag} N={n:,} workers={w}: publish {run['enqueue_msgs_s']:,.0f}/s, consume "
-                        f"{run['consume_msgs_s']:,.0f}/s ({c['consume_s']:.2f}s, cpu "
-                        f"{c['consume_client_cpu_s'] * 1e6 / n:.0f} µs/msg, busy {c['consume_machine_busy_cores']:.2f}, "
-                        f"tail {c.get('tail_s') or 0:.2f}s) {'OK' if not run['problems'] else run['problems']}"
-                    )
-                else:
-                    log(
-                        f"[{rep}] {tag} N={n} workers={w}: FAILED\n{_fail_text(e)}\n{_fail_text(c)}"
-                    )
-                raw[(n, w)].append(run)
+                        log(
+                            f"{label}: publish {run['enqueue_msgs_s']:,.0f}/s, consume "
+                            f"{run['consume_msgs_s']:,.0f}/s ({c['consume_s']:.2f}s, cpu "
+                            f"{c['consume_client_cpu_s'] * 1e6 / n:.0f} µs/msg, busy {c['consume_machine_busy_cores']:.2f}, "
+                            f"tail {c.get('tail_s') or 0:.2f}s{extra}; plans generic/custom {_plans_text(c)}) "
+                            f"{'OK' if not run['problems'] else run['problems']}"
+                        )
+                    else:
+                        log(f"{label}: FAILED\n{_fail_text(e)}\n{_fail_text(c)}")
+                    raw[(n, w, k)].append(run)
     return raw
 
 
-def _consume_table(raw: dict[tuple[int, int], list[dict]]) -> list[str]:
+def _consume_table(raw: dict[tuple[int, int, int], list[dict]], procs: bool = False) -> list[str]:
+    pcol = "consumer processes | " if procs else ""
     L = [
-        "| N | workers (prefetch) | publish_many msgs/s | consume msgs/s (min–max) | consume wall s | "
-        "of which after last handler s | consumer CPU µs/msg | machine busy cores | peak RSS MB | exactly-once |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        f"| N | {pcol}workers (prefetch) | publish_many msgs/s | consume msgs/s (min–max) | consume wall s | "
+        "of which after last handler s | consumer CPU µs/msg | machine busy cores | peak RSS MB "
+        "| prepared plans used, generic/custom (first run) | exactly-once |",
+        "|---:|" + ("---:|" if procs else "") + "---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
-    for (n, w), runs in raw.items():
+    for (n, w, k), runs in raw.items():
         good = [r for r in runs if "consume_msgs_s" in r]
+        pc = f"{k} | " if procs else ""
         if not good:
             L.append(
-                f"| {n:,} | {w} | FAILED: {_fail_text(runs[0]['consume'])[-100:]} | | | | | | | |"
+                f"| {n:,} | {pc}{w} | FAILED: {_fail_text(runs[0]['consume'])[-100:]} | | | | | | | | |"
             )
             continue
         cm = [r["consume_msgs_s"] for r in good]
         probs = sorted({p for r in good for p in r["problems"]})
         L.append(
-            f"| {n:,} | {w} ({2 * w}) | {fmt(med([r['enqueue_msgs_s'] for r in good]))} "
+            f"| {n:,} | {pc}{w} ({2 * w}) | {fmt(med([r['enqueue_msgs_s'] for r in good]))} "
             f"| {fmt(med(cm))} ({fmt(min(cm))}–{fmt(max(cm))}) | {fmt(med([r['consume']['consume_s'] for r in good]), 2)} "
             f"| {fmt(med([r['consume'].get('tail_s') for r in good]), 2)} "
             f"| {fmt(med([r['consume']['consume_client_cpu_s'] * 1e6 / n for r in good]))} "
             f"| {fmt(med([r['consume']['consume_machine_busy_cores'] for r in good]), 2)} "
             f"| {fmt(med([r['consume']['rss_peak_mb'] for r in good]), 1)} "
+            f"| {_plans_text(good[0]['consume'])} "
             f"| {'yes' if not probs and len(good) == len(runs) else 'NO: ' + '; '.join(probs)[:140]} |"
         )
     return L
 
 
 def mode_consume(srv: Server, args, report: dict) -> list[str]:
-    raw = _consume_runs(srv, args, args.n, args.workers, "con")
-    report["consume"] = {"raw": {f"{n}/{w}": v for (n, w), v in raw.items()}}
+    raw = _consume_runs(srv, args, args.n, args.workers, "con", procs=args.procs)
+    report["consume"] = {"raw": {f"{n}/{w}/{k}": v for (n, w, k), v in raw.items()}}
     L = ["## consume (burn-down)", ""]
     L.append(
-        f'A backlog of N `{{"i": n}}` messages (published untimed-ish by `publish_many`, then an '
-        f"untimed ANALYZE) drained by ONE `Consumer(...).run(until_empty=True)` in a fresh process; "
-        f"default settings except `workers`; the handler appends the id to a list. {args.reps} runs, "
-        "median (min–max). The clock runs from `run()` to its return (join, claims, acks, "
-        "drain detection, shutdown, final frontier pass)."
+        f'A backlog of N `{{"i": n}}` messages (published by `publish_many`, then an untimed '
+        f"ANALYZE) drained by {', '.join(map(str, args.procs))} consumer PROCESS(ES) started together, "
+        f"each one `Consumer(...).run(until_empty=True)` with default settings except `workers`; "
+        f"the handler appends the id to a list. Each process imports, builds its Consumer and "
+        f"warms its pool, then waits for a common go. The clock runs from the first `run()` to "
+        f"the last return (join, claims, acks, drain detection, shutdown, final frontier pass); "
+        f"CPU is all consumer processes together. {args.reps} runs round-robin, median (min–max)."
     )
     L.append("")
-    L += _consume_table(raw)
+    L += _consume_table(raw, procs=True)
+    multi = [(key, runs) for key, runs in raw.items() if key[2] > 1]
+    if multi:
+        L.append("")
+        L.append("Messages handled per process (each run):")
+        L.append("")
+        for (n, w, k), runs in multi:
+            parts = [
+                f"{r['consume']['per_proc_handled']} (start spread {r['consume']['start_spread_s'] * 1e3:.0f} ms)"
+                for r in runs
+                if r["consume"].get("ok")
+            ]
+            L.append(f"- N = {n:,}, {k} × workers={w}: " + "; ".join(parts))
+    by = {
+        (n, w, k): med([r["consume_msgs_s"] for r in runs if "consume_msgs_s" in r])
+        for (n, w, k), runs in raw.items()
+    }
+    for (n, w, k), v in by.items():
+        one = by.get((n, w, 1))
+        if k > 1 and v and one:
+            L.append("")
+            L.append(f"{k} processes / 1 process (N = {n:,}, workers={w}) = **{v / one:.2f}**.")
     return L
 
 
@@ -1373,7 +1674,7 @@ def mode_backlog(srv: Server, args, report: dict) -> list[str]:
     ns = args.n if len(args.n) > 1 else [20_000, args.n[0] if args.n[0] != 20_000 else 1_000_000]
     w = args.workers[:1]
     raw = _consume_runs(srv, args, ns, w, "bl", explain=True)
-    report["backlog"] = {"raw": {f"{n}/{ww}": v for (n, ww), v in raw.items()}}
+    report["backlog"] = {"raw": {f"{n}/{ww}": v for (n, ww, _), v in raw.items()}}
     L = ["## backlog", ""]
     L.append(
         f"Drain throughput with backlogs of {', '.join(f'{n:,}' for n in ns)} (workers={w[0]}), "
@@ -1382,7 +1683,7 @@ def mode_backlog(srv: Server, args, report: dict) -> list[str]:
     L.append("")
     L += _consume_table(raw)
     meds = {}
-    for (n, _), runs in raw.items():
+    for (n, _, _), runs in raw.items():
         good = [r["consume_msgs_s"] for r in runs if "consume_msgs_s" in r]
         meds[n] = med(good)
     small, big = min(ns), max(ns)
@@ -1391,7 +1692,7 @@ def mode_backlog(srv: Server, args, report: dict) -> list[str]:
         L.append(
             f"Throughput at {big:,} / at {small:,} = **{meds[big] / meds[small]:.2f}** (target ≥ 0.80)."
         )
-    for (n, _), runs in raw.items():
+    for (n, _, _), runs in raw.items():
         c = runs[0]["consume"]
         for key, when in (
             ("explain_before", f"with the full {n:,} backlog"),
@@ -1556,19 +1857,28 @@ def render_tablesize(r: dict, args) -> list[str]:
         f"{args.total:,} messages pushed through in chunks of {args.chunk:,} (`publish_many` batches of "
         f"1,000; the next chunk is published once the previous one is handled and acknowledged) with one "
         f"long-running consumer (workers={args.workers[0]}, default settings: frontier every 1 s, prune "
-        f"every 60 s, retention 7 days; the first chunk is published before the consumer starts and "
-        f"ANALYZEd). Sizes from `pg_total_relation_size` after each chunk has been handled AND "
+        f"every 60 s, retention 7 days checked every 60 s; the first chunk is published before the "
+        f"consumer starts and ANALYZEd). Sizes from `pg_total_relation_size` after each chunk has been handled AND "
         f"acknowledged (no ready/leased row left); "
         f"took {r['total_s']:.0f} s. Exactly-once: "
         f"{'yes' if not r['problems'] else 'NO: ' + '; '.join(r['problems'])}."
     )
+    ro = r.get("reloptions") or {}
+    if ro:
+        tabs = "; ".join(
+            f"`{k}`: {', '.join(v or ['(defaults)'])}" for k, v in sorted(ro["tables"].items())
+        )
+        srv = ", ".join(f"{k}={v}" for k, v in ro["server"].items())
+        L.append("")
+        L.append(f"Storage parameters pgq set: {tabs}. Server: {srv}.")
     L.append("")
     L.append(
         "| messages so far | chunk s | of which acks after the last handler s | delivery total MB "
         "| delivery heap MB | delivery indexes MB "
-        "| delivery rows | delivery dead tuples | autovacuums of delivery | message total MB | message rows |"
+        "| delivery rows | delivery dead tuples | autovacuums of delivery | message total MB | message rows "
+        "| autovacuums of message |"
     )
-    L.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    L.append("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     rows = r["rows"]
     step = max(1, len(rows) // 10)
     for i, x in enumerate(rows):
@@ -1579,7 +1889,8 @@ def render_tablesize(r: dict, args) -> list[str]:
             f"| {label} | {fmt(x.get('chunk_s'), 1)} | {fmt(x.get('acks_behind_handlers_s'), 1)} "
             f"| {x['delivery_total_mb']:.1f} | {x['delivery_heap_mb']:.1f} "
             f"| {x['delivery_indexes_mb']:.1f} | {x['delivery_rows']:,} | {fmt(x['delivery_dead_tup'])} "
-            f"| {fmt(x['delivery_autovacuums'])} | {x['message_total_mb']:.1f} | {x['message_rows']:,} |"
+            f"| {fmt(x['delivery_autovacuums'])} | {x['message_total_mb']:.1f} | {x['message_rows']:,} "
+            f"| {fmt(x.get('message_autovacuums'))} |"
         )
     return L
 
@@ -1728,6 +2039,7 @@ def parent_main(args) -> int:
     n_given = args.n is not None
     args.n = ints(args.n) if n_given else [20_000]
     args.workers = ints(args.workers)
+    args.procs = ints(args.procs)
     args.rate = floats(args.rate)
     args.anchors = Path(args.anchors)
     t0 = time.perf_counter()
@@ -1839,6 +2151,11 @@ def main() -> int:
         "--workers",
         default="8",
         help="pgq Consumer workers; a comma list makes one entry each (default 8)",
+    )
+    ap.add_argument(
+        "--procs",
+        default="1",
+        help="consume: consumer PROCESSES draining one backlog together, a comma list (default 1)",
     )
     ap.add_argument(
         "--reps",
