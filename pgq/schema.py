@@ -22,6 +22,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     PrimaryKeyConstraint,
+    Sequence,
     Table,
     Text,
     func,
@@ -105,6 +106,10 @@ consumer_group = Table(
     _counter("refunded_total"),
 )
 
+lease_token = Sequence("lease_token", metadata=metadata, cache=100)
+"""Lease tokens: unique across all rows and claims, so a set of tokens names a set
+of leases exactly (`lease_seq = ANY(:seqs)` needs no per-row pairing)."""
+
 delivery = Table(
     "delivery",
     metadata,
@@ -119,8 +124,8 @@ delivery = Table(
     Column("refundable_reclaims", Integer, nullable=False, server_default=text("0")),
     Column("refunds", Integer, nullable=False, server_default=text("0")),
     Column("lease_owner", Text),
-    # changes on every claim and reclaim: outcomes are fenced on it
-    Column("lease_seq", Integer, nullable=False, server_default=text("0")),
+    # a fresh token from `lease_token` on every claim: outcomes are fenced on it
+    Column("lease_seq", BigInteger, nullable=False, server_default=text("0")),
     Column("lease_expires_at", _tstz()),
     Column("error_class", Text),
     Column("last_error", Text),

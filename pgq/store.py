@@ -250,9 +250,14 @@ class GroupStore:
     # -- claim path ---------------------------------------------------------
 
     def claim(self, conn: Connection, limit: int, epoch: int) -> list[Claimed]:
-        """Lease up to `limit` ready rows to this member."""
-        params = {"gid": self.gid, "limit": limit, "member": self.member, "lease": self.lease}
-        return self._claimed(run_hot(conn, claim_sql.claim(), params), epoch)
+        """Lease up to `limit` ready rows to this member (rounded down to a power of two
+        below 64, so only a few claim statements are ever prepared)."""
+        if limit < 1:
+            return []
+        if limit < 64:
+            limit = 1 << (limit.bit_length() - 1)
+        params = {"gid": self.gid, "member": self.member, "lease": self.lease}
+        return self._claimed(run_hot(conn, claim_sql.claim(limit), params), epoch)
 
     def claim_probe(self, conn: Connection, epoch: int) -> Claimed | None:
         """Lease the group probe: a ready row (due soonest), else the oldest dead systemic row."""

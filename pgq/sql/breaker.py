@@ -301,7 +301,7 @@ def probe_done() -> Executable:
         .where(
             d.c.group_id == bindparam("gid"),
             d.c.message_id == bindparam("id", type_=BigInteger),
-            d.c.lease_seq == bindparam("seq", type_=Integer),
+            d.c.lease_seq == bindparam("seq", type_=BigInteger),
             d.c.lease_owner == bindparam("member"),
         )
         .values(

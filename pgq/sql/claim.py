@@ -17,6 +17,7 @@ from sqlalchemy import (
     cast,
     func,
     literal,
+    literal_column,
     or_,
     select,
     update,
@@ -29,43 +30,27 @@ from pgq import schema as t
 d, m = t.delivery, t.message
 
 
-def named_rows() -> Any:
-    """`message_id = ANY(:ids)`: with `group_id` an index condition on the primary key.
-
-    Every fenced statement carries it next to its join with `unnest(:ids, ...)`,
-    so the plan stays a primary-key lookup per named row whatever the planner
-    believes about the table (stale statistics once made it loop over every
-    leased row of the group for each ack).
-    """
-    return d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger)))
-
-
-def fenced(leases: Any) -> ColumnElement[bool]:
-    """Rows of `:gid` that `leases` (columns `message_id`, `seq`) names and that are
-    still leased to `:member` under that sequence number: the lease fence."""
+def fenced() -> ColumnElement[bool]:
+    """Rows of `:gid` named by `:ids` whose lease is still one of `:seqs` held by
+    `:member`: the lease fence. Tokens are unique across rows and claims, so
+    `lease_seq = ANY(:seqs)` matches exactly the leases named, and
+    `message_id = ANY(:ids)` makes the plan a primary-key lookup per row."""
     return and_(
         d.c.group_id == bindparam("gid"),
-        named_rows(),
-        d.c.message_id == leases.c.message_id,
-        d.c.lease_seq == leases.c.seq,
+        d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
+        d.c.lease_seq == any_(bindparam("seqs", type_=ARRAY(BigInteger))),
         d.c.lease_owner == bindparam("member"),
     )
 
 
-def held_leases() -> Any:
-    """`unnest(:ids, :seqs)` as rows (message_id, seq): the leases a statement names."""
-    return (
-        func.unnest(
-            bindparam("ids", type_=ARRAY(BigInteger)), bindparam("seqs", type_=ARRAY(Integer))
-        )
-        .table_valued("message_id", "seq")
-        .render_derived()
-    )
-
-
 @cache
-def claim() -> Executable:
-    """Lease up to `:limit` ready rows of `:group_id` to `:member` for `:lease`.
+def claim(limit: int) -> Executable:
+    """Lease up to `limit` ready rows of `:gid` to `:member` for `:lease`.
+
+    `limit` is written into the statement, not bound: a prepared statement's
+    generic plan with `LIMIT $n` assumes it returns a tenth of the table and
+    picks a full scan (measured: 7.8 ms per claim at 20k rows, 293 ms at 1M).
+    Callers use a handful of distinct limits (see `GroupStore.claim`).
 
     Skips rows other members hold locks on (never waits); earliest available
     first. Claims nothing while the group breaker is OPEN: the database is the
@@ -82,7 +67,7 @@ def claim() -> Executable:
         .where(d.c.group_id == bindparam("gid"), d.c.state == t.READY)
         .where(d.c.available_at <= func.now(), ~group_open)
         .order_by(d.c.available_at, d.c.message_id)
-        .limit(bindparam("limit"))
+        .limit(literal_column(str(int(limit))))
         .with_for_update(skip_locked=True)
         .cte("pick")
     )
@@ -92,7 +77,7 @@ def claim() -> Executable:
 def lease_picked(pick: Any) -> Executable:
     """Lease the rows of the CTE `pick` (a `message_id` column) to `:member` for `:lease`.
 
-    Bumps `lease_seq`, so every claim is a new fencing token; returns the rows
+    Gives each row a fresh `lease_seq` token, so every claim is a new fence; returns the rows
     joined with their messages, in the column order `GroupStore` reads.
     """
     return (
@@ -105,7 +90,7 @@ def lease_picked(pick: Any) -> Executable:
         .values(
             state=t.LEASED,
             lease_owner=bindparam("member"),
-            lease_seq=d.c.lease_seq + 1,
+            lease_seq=t.lease_token.next_value(),
             lease_expires_at=func.now() + bindparam("lease", type_=Interval),
             updated_at=func.now(),
         )
@@ -126,10 +111,9 @@ def lease_picked(pick: Any) -> Executable:
 @cache
 def extend_leases() -> Executable:
     """Push the expiry of the leases `:ids`/`:seqs` still held by `:member` to now + `:lease`."""
-    held = held_leases()
     return (
         update(d)
-        .where(fenced(held))
+        .where(fenced())
         .values(lease_expires_at=func.now() + bindparam("lease", type_=Interval))
         .returning(d.c.message_id)
     )
@@ -138,10 +122,9 @@ def extend_leases() -> Executable:
 @cache
 def release() -> Executable:
     """Put the unstarted leases `:ids`/`:seqs` back to ready: no attempt, no reclaim charged."""
-    held = held_leases()
     return (
         update(d)
-        .where(fenced(held))
+        .where(fenced())
         .values(state=t.READY, lease_owner=None, lease_expires_at=None, updated_at=func.now())
         .returning(d.c.message_id)
     )

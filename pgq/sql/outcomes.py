@@ -29,7 +29,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import Executable
 
 from pgq import schema as t
-from pgq.sql.claim import fenced, held_leases
+from pgq.sql.claim import fenced
 
 d = t.delivery
 
@@ -37,10 +37,9 @@ d = t.delivery
 @cache
 def ack_done() -> Executable:
     """Mark the leases `:ids`/`:seqs` of `:group_id` done, charging one attempt each."""
-    held = held_leases()
     return (
         update(d)
-        .where(fenced(held))
+        .where(fenced())
         .values(
             state=t.DONE,
             attempts=d.c.attempts + 1,
@@ -65,7 +64,7 @@ def record_failures() -> Executable:
     o = (
         func.unnest(
             bindparam("ids", type_=ARRAY(BigInteger)),
-            bindparam("seqs", type_=ARRAY(Integer)),
+            bindparam("seqs", type_=ARRAY(BigInteger)),
             bindparam("states", type_=ARRAY(Text)),
             bindparam("charges", type_=ARRAY(Integer)),
             bindparam("delays", type_=ARRAY(Float)),
@@ -80,7 +79,7 @@ def record_failures() -> Executable:
     systemic = o.c["class"] == t.SYSTEMIC
     return (
         update(d)
-        .where(fenced(o))
+        .where(fenced(), d.c.message_id == o.c.message_id)
         .values(
             state=o.c.state,
             attempts=d.c.attempts + o.c.charge,
