@@ -306,7 +306,7 @@ class GroupStore:
         params = {"gid": self.gid, "ids": ids, "seqs": seqs, "member": self.member}
         n = len(conn.execute(claim_sql.release(), params).all())
         if n:
-            conn.execute(claim_sql.count_released(), {"gid": self.gid, "n": n})
+            conn.execute(claim_sql.add_to_total("released_total"), {"gid": self.gid, "n": n})
         return n
 
     def sweep(self, conn: Connection, limit: int = 1000) -> Sweep:
@@ -316,7 +316,9 @@ class GroupStore:
             {"gid": self.gid, "limit": limit, "max_reclaims": self.max_reclaims},
         ).all()
         if rows:
-            conn.execute(claim_sql.count_reclaimed(), {"gid": self.gid, "n": len(rows)})
+            conn.execute(
+                claim_sql.add_to_total("reclaimed_total"), {"gid": self.gid, "n": len(rows)}
+            )
         return Sweep(len(rows), sum(1 for r in rows if r[1] == "dead"))
 
     # -- outcomes -----------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import shutil
 import socket
@@ -71,6 +72,16 @@ def with_dbname(dsn: str, dbname: str) -> str:
     params = psycopg.conninfo.conninfo_to_dict(dsn)
     params["dbname"] = dbname
     return psycopg.conninfo.make_conninfo(**params)
+
+
+@pytest.fixture(autouse=True)
+def _restore_pgq_logger() -> Iterator[None]:
+    """The CLI configures the `pgq` logger; in-process CLI runs must not leak that."""
+    logger = logging.getLogger("pgq")
+    level, handlers = logger.level, list(logger.handlers)
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
 
 
 @pytest.fixture(scope="session")

@@ -131,17 +131,6 @@ def release() -> Executable:
 
 
 @cache
-def count_released() -> Executable:
-    """Add `:n` to the group's released total."""
-    g = t.consumer_group
-    return (
-        update(g)
-        .where(g.c.id == bindparam("gid"))
-        .values(released_total=g.c.released_total + bindparam("n", type_=BigInteger))
-    )
-
-
-@cache
 def sweep_expired() -> Executable:
     """Reclaim up to `:limit` rows of `:group_id` whose lease expired without an outcome.
 
@@ -203,11 +192,12 @@ def sweep_expired() -> Executable:
 
 
 @cache
-def count_reclaimed() -> Executable:
-    """Add `:n` to the group's reclaimed total."""
+def add_to_total(total: str) -> Executable:
+    """Add `:n` to the group's running counter `total` (`released_total`, `reclaimed_total`)."""
     g = t.consumer_group
+    column = g.c[total]
     return (
         update(g)
         .where(g.c.id == bindparam("gid"))
-        .values(reclaimed_total=g.c.reclaimed_total + bindparam("n", type_=BigInteger))
+        .values({column: column + bindparam("n", type_=BigInteger)})
     )

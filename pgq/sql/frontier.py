@@ -13,6 +13,7 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Interval, bindparam, cast, exists, func, select, tuple_, update
 from sqlalchemy.sql import ColumnElement, Executable
+from sqlalchemy.sql.selectable import ScalarSelect
 
 from pgq import schema as t
 
@@ -77,6 +78,17 @@ def last_committed() -> Executable:
     )
 
 
+def _prune(*where: ColumnElement[bool]) -> ScalarSelect[int]:
+    """Delete the done rows of `:gid` matching `where`; their count, as a subquery."""
+    pruned = (
+        d.delete()
+        .where(d.c.group_id == bindparam("gid"), d.c.state == t.DONE, *where)
+        .returning(d.c.message_id)
+        .cte("pruned")
+    )
+    return select(func.count()).select_from(pruned).scalar_subquery()
+
+
 @cache
 def advance() -> Executable:
     """Move the frontier of `:gid` from `:cx`/`:cid` to `:nx`/`:nid`, pruning the done rows
@@ -84,13 +96,7 @@ def advance() -> Executable:
     upto = tuple_(d.c.xid, d.c.message_id) <= tuple_(
         cast(bindparam("nx"), t.XID8()), bindparam("nid", type_=BigInteger)
     )
-    pruned = (
-        d.delete()
-        .where(d.c.group_id == bindparam("gid"), _after_frontier(), upto, d.c.state == t.DONE)
-        .returning(d.c.message_id)
-        .cte("pruned")
-    )
-    count = select(func.count()).select_from(pruned).scalar_subquery()
+    count = _prune(_after_frontier(), upto)
     return (
         update(g)
         .where(g.c.id == bindparam("gid"))
@@ -108,14 +114,7 @@ def prune_behind() -> Executable:
     """Prune done rows anywhere behind the frontier of `:gid` (rows a requeue or a
     refund sent back behind it and that finished since); returns the count."""
     upto = tuple_(d.c.xid, d.c.message_id) <= tuple_(g.c.committed_xid, g.c.committed_id)
-    pruned = (
-        d.delete()
-        .where(d.c.group_id == bindparam("gid"), d.c.state == t.DONE)
-        .where(g.c.id == d.c.group_id, g.c.committed_id.is_not(None), upto)
-        .returning(d.c.message_id)
-        .cte("pruned")
-    )
-    count = select(func.count()).select_from(pruned).scalar_subquery()
+    count = _prune(g.c.id == d.c.group_id, g.c.committed_id.is_not(None), upto)
     return (
         update(g)
         .where(g.c.id == bindparam("gid"))

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,16 +51,6 @@ def messages(engine: Engine) -> int:
 def ok(result: Result) -> Result:
     assert result.exit_code == 0, (result.output, result.exception)
     return result
-
-
-@pytest.fixture(autouse=True)
-def _restore_pgq_logger() -> Iterator[None]:
-    """The CLI configures the `pgq` logger; in-process runs must not leak that."""
-    logger = logging.getLogger("pgq")
-    level, handlers = logger.level, list(logger.handlers)
-    yield
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
 
 
 @pytest.fixture

@@ -7,13 +7,11 @@ path (a story that does not happen exits 1) in-process.
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -23,16 +21,6 @@ from helpers import PGQ
 
 from pgq import demo
 from pgq.cli import cli
-
-
-@pytest.fixture(autouse=True)
-def _restore_pgq_logger() -> Iterator[None]:
-    """The CLI configures the `pgq` logger; in-process runs must not leak that."""
-    logger = logging.getLogger("pgq")
-    level, handlers = logger.level, list(logger.handlers)
-    yield
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import subprocess
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,16 +19,6 @@ from pgq.cli import cli
 from pgq.errors import UnknownGroup, UsageError
 
 GROUP = "billing"
-
-
-@pytest.fixture(autouse=True)
-def _restore_pgq_logger() -> Iterator[None]:
-    """The CLI configures the `pgq` logger; in-process runs must not leak that."""
-    logger = logging.getLogger("pgq")
-    level, handlers = logger.level, list(logger.handlers)
-    yield
-    logger.setLevel(level)
-    logger.handlers[:] = handlers
 
 
 @pytest.fixture
