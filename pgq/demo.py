@@ -16,8 +16,9 @@ uses up its attempts: nothing would die and be refunded. With steady traffic
 the retries of the first failed rows compete only with the new arrivals, as
 they do in a real outage.
 
-`run_demo` prints progress through the `out` callable it is given and returns
-a `DemoResult`; the `pgq demo` command is a thin layer over it.
+`run_demo` tells the story line by line to the `out` callable it is given (by
+default nowhere: the library never prints) and returns a `DemoResult`. The
+`pgq demo` command (`pgq.cli.demo`) is a thin layer over it that passes `click.echo`.
 """
 
 from __future__ import annotations
@@ -32,18 +33,20 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import click
 from sqlalchemy import Engine
 
-from pgq.connect import connect
-from pgq.consumer import Consumer
-from pgq.consumer.prober import PROBE_THREAD
-from pgq.message import Message
-from pgq.migrations import migrate
+from pgq.consumer import PROBE_THREAD, Consumer
 from pgq.monitor import DEFAULT_MAX_REFUNDS, breaker_info, check, dead, status
-from pgq.sql import admin as q
-from pgq.store import wrap_errors
-from pgq.topics import create_topic, publish_many, subscribe
+from pgq.records import Message
+from pgq.store import (
+    connect,
+    create_topic,
+    database_now,
+    drop_schema,
+    migrate,
+    publish_many,
+    subscribe,
+)
 
 __all__ = ["DEMO_SETTINGS", "DemoResult", "run_demo"]
 
@@ -82,6 +85,11 @@ DEMO_SETTINGS: dict[str, Any] = {
 """Short consumer settings: the breaker trips, probes and closes within seconds."""
 
 Out = Callable[[str], Any]
+"""Where the demo's narration goes, one line per call (`pgq demo` passes `click.echo`)."""
+
+
+def _silent(line: str) -> None:
+    """The default `Out`: the library prints nothing unless given somewhere to print."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,11 +192,6 @@ class _Story:
             self.producer_error = exc
 
 
-def _db_clock(engine: Engine) -> dt.datetime:
-    with wrap_errors(), engine.connect() as conn:
-        return conn.execute(q.clock()).scalar_one()
-
-
 def _seconds(start: dt.datetime | None, end: str | None) -> float | None:
     if start is None or end is None:
         return None
@@ -232,10 +235,8 @@ def _members(engine: Engine, story: _Story) -> Iterator[list[Consumer]]:
                 c.stop(timeout=DEMO_SETTINGS["shutdown_grace"])
 
 
-def run_demo(
-    dsn: str, out: Out = click.echo, *, messages: int = 600, poison: int = 5
-) -> DemoResult:
-    """Run the breaker story on the server at `dsn`, printing progress with `out`.
+def run_demo(dsn: str, out: Out = _silent, *, messages: int = 600, poison: int = 5) -> DemoResult:
+    """Run the breaker story on the server at `dsn`, telling it line by line to `out`.
 
     Works in a fresh schema `pgq_demo_<random>` that is dropped at the end, so
     it never touches real data. Takes about 7 seconds. Raises `PgqError` when the
@@ -254,8 +255,8 @@ def run_demo(
         )
         return _run(engine, out, messages, poison)
     finally:
-        with contextlib.suppress(Exception), wrap_errors(), engine.begin() as conn:
-            conn.execute(q.drop_schema(schema))
+        with contextlib.suppress(Exception):
+            drop_schema(engine, schema)
         engine.dispose()
 
 
@@ -307,7 +308,7 @@ class _Narrator:
             self.next_progress = t + PROGRESS_EVERY
         if self.cut_at is None and t >= CUT_AFTER:
             story.dependency.up.clear()
-            self.cut_at = _db_clock(self.engine)
+            self.cut_at = database_now(self.engine)
             self.say(t, "dependency DOWN: every call now raises ConnectionError")
         if self.open_epoch is not None and self.restored_at is None:
             self._while_open(t, s)
@@ -337,7 +338,7 @@ class _Narrator:
             self.say(t, f"pgq check {GROUP}: {check(self.engine, GROUP, self.max_refunds)[1]}")
         if open_for >= OUTAGE_AT_LEAST and (self.probes or open_for >= 3 * OUTAGE_AT_LEAST):
             self.story.dependency.up.set()
-            self.restored_at = _db_clock(self.engine)
+            self.restored_at = database_now(self.engine)
             self.say(t, "dependency UP again")
 
     def stuck(self, s: dict[str, Any]) -> str:

@@ -1,9 +1,10 @@
 """`pgq demo`: the breaker story on the embedded server (or `--dsn`), in under a minute.
 
-A thin command over `pgq.demo.run_demo`. It quiets pgq's own log lines to
-ERROR while the demo runs (unless `-v` asked for DEBUG), so that the demo's
-narration on stdout is what you read; the events those lines would report are
-in the narration.
+A thin command over `pgq.demo.run_demo`, which tells the story through the
+output callable it is given: here `click.echo`, so the narration is this
+command's stdout. It quiets pgq's own log lines to ERROR while the demo runs
+(unless `-v` asked for DEBUG), so that the narration is what you read; the
+events those lines would report are in the narration.
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from collections.abc import Iterator
 
 import click
 
-from pgq.cli import CliFailure, State, cli_dsn, pass_state
-from pgq.connect import conninfo_of
+from pgq.cli.base import CliFailure, State, cli_dsn, pass_state
+from pgq.demo import run_demo
+from pgq.store import conninfo_of
+
+__all__ = ["demo"]
 
 
 @contextlib.contextmanager
@@ -46,8 +50,6 @@ def demo(state: State, dsn: str | None) -> None:
     closes and the outage's failed rows are refunded. Runs in a scratch schema
     that is dropped at the end. Exits 0 when all of that happened, 1 otherwise.
     """
-    from pgq.demo import run_demo
-
     target = (cli_dsn(dsn) if dsn else None) or conninfo_of(state.engine)
     with _quiet_library():
         result = run_demo(target, click.echo)

@@ -5,6 +5,10 @@ Exit codes (DESIGN §7): 0 when it finished what it was asked (drained with
 shutdown); 75 when `--until-empty` stopped because a breaker is open (or the
 database could not be reached within `lease` seconds); 2 on bad usage or
 configuration; 1 otherwise (a second signal, handlers that overran the grace).
+
+The settings are built once here, in the CLI's layers (the config file, then
+`PGQ_*` variables, then the flags), and handed to `Consumer` as one object.
+This is the only place that installs signal handlers.
 """
 
 from __future__ import annotations
@@ -20,14 +24,17 @@ from typing import Any
 
 import click
 
-from pgq.cli import State, pass_state
+from pgq.cli.base import State, pass_state
 from pgq.consumer import Consumer
 from pgq.errors import DatabaseUnavailable, HandlerImportError
 from pgq.settings import load_settings, parse_duration
 
+__all__ = ["EX_TEMPFAIL", "consume", "install_signal_handlers", "load_handler"]
+
 logger = logging.getLogger("pgq.cli")
 
 EX_TEMPFAIL = 75
+"""Exit code when `--until-empty` stopped because a breaker is open (sysexits EX_TEMPFAIL)."""
 
 
 def load_handler(path: str) -> Callable[..., Any]:
@@ -119,9 +126,11 @@ def consume(
 ) -> None:
     """Run a member of GROUP, calling the handler for each message."""
     runtime = _duration(max_runtime)
-    settings = load_settings(config_file or state.config, overrides={"workers": workers})
+    settings = load_settings(
+        config_file or state.config, env=os.environ, overrides={"workers": workers}
+    )
     handler = load_handler(handler_path)
-    consumer = Consumer(state.engine, group, handler, name=name, **settings.as_dict())
+    consumer = Consumer(state.engine, group, handler, settings=settings, name=name)
     if metrics_port is not None:
         from pgq.metrics import serve_metrics
 

@@ -1,0 +1,64 @@
+"""Repairing a group: `pgq requeue GROUP (--id ID ... | --all) --reason TEXT`.
+
+`pgq requeue` turns dead rows back to ready and writes one `audit` row, in one
+transaction. `pgq.store.requeue()` is the plain function behind it, for scripts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import click
+
+from pgq.cli.base import State, pass_state
+from pgq.errors import UsageError
+from pgq.store import requeue
+
+__all__ = ["parse_ids", "requeue_command"]
+
+
+def parse_ids(values: Iterable[str]) -> list[int]:
+    """Message ids from `--id` values (each one id or a comma-separated list), deduplicated.
+
+    Raises `UsageError` naming the first value that is not a positive integer.
+    """
+    ids: dict[int, None] = {}
+    for value in values:
+        for part in value.split(","):
+            text = part.strip()
+            if not text.isdigit() or int(text) < 1:
+                raise UsageError(f"invalid message id {part.strip()!r}: use positive integers")
+            ids[int(text)] = None
+    return list(ids)
+
+
+@click.command("requeue")
+@click.argument("group")
+@click.option(
+    "--id",
+    "ids",
+    multiple=True,
+    metavar="ID",
+    help="a dead message id to requeue (repeat, or comma-separated)",
+)
+@click.option("--all", "all_dead", is_flag=True, help="requeue every dead row of the group")
+@click.option("--reason", help="why (required; stored in the audit row)")
+@pass_state
+def requeue_command(
+    state: State, group: str, ids: tuple[str, ...], all_dead: bool, reason: str | None
+) -> None:
+    """Requeue dead rows of GROUP (audited): `--id ID ...` or `--all`, with `--reason`.
+
+    Every id must be a dead row of the group, else nothing is requeued (exit 2).
+    Prints `requeued N`.
+    """
+    if ids and all_dead:
+        raise UsageError("--id and --all are mutually exclusive")
+    if not ids and not all_dead:
+        raise UsageError("give the rows to requeue: --id ID ... or --all")
+    if not (reason or "").strip():
+        raise UsageError("--reason is required and must not be empty")
+    result = requeue(
+        state.engine, group, parse_ids(ids) if ids else None, all_dead=all_dead, reason=reason or ""
+    )
+    click.echo(f"requeued {result.count}")

@@ -1,0 +1,272 @@
+"""The base every `pgq` command stands on: the root group, state, errors, shared options.
+
+- `cli`: the root click group with the global options (`--dsn`, `--config`,
+  `--schema`, `-v`, `--log-level`); it holds no commands itself, `pgq.cli`
+  adds them (the only place that imports the command modules);
+- `PgqGroup`: every user-facing `PgqError` below it becomes one line on stderr
+  (`pgq: error: ...`) and exit 2 (`CliError`); anything else pgq raised is one
+  line and exit 1 (`CliFailure`); never a traceback;
+- `CheckCommand` / `CheckUnknown`: `pgq check` answers `UNKNOWN: ...` with exit 3
+  for every error of its own, usage errors included (Nagios needs an answer);
+- `State` / `pass_state`: what the global options decided, with the engine and
+  the settings made on first use;
+- `cli_dsn`: a DSN with a short connect timeout; `configure_logging`: the only
+  place that installs logging handlers; `json_option` and `emit`: `--json` and
+  human output from the same data (the human lines come from `pgq.cli.render`).
+
+Adding a command: write it in the module of its family with `@click.command()`,
+take `state: State` through `@pass_state`, call the library through
+`state.engine` / `state.settings`, print with `emit`, and register it in
+`pgq/cli/__init__.py`. Errors need no handling in the command.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import IO, Any, TypeVar
+
+import click
+from sqlalchemy import Engine
+
+from pgq.errors import DatabaseUnavailable, EmbeddedServerError, PgqError, UsageError
+from pgq.monitor import CHECK_EXIT_CODES
+from pgq.settings import Settings, load_settings
+from pgq.store import connect, with_connect_timeout
+
+__all__ = [
+    "CONNECT_TIMEOUT",
+    "EXIT_USAGE",
+    "CheckCommand",
+    "CheckUnknown",
+    "CliError",
+    "CliFailure",
+    "PgqGroup",
+    "State",
+    "cli",
+    "cli_dsn",
+    "cli_error",
+    "configure_logging",
+    "emit",
+    "json_option",
+    "pass_state",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+CONNECT_TIMEOUT = 5
+"""Seconds a CLI command waits for the server before it gives up (unless the DSN says)."""
+
+EXIT_USAGE = 2
+"""Bad usage, bad configuration, or a database that cannot be used (DESIGN §7)."""
+
+_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_LOG_DATEFMT = "%Y-%m-%dT%H:%M:%S"
+
+
+# --- errors -------------------------------------------------------------------
+
+
+class CliError(click.ClickException):
+    """A failure shown as one line, `pgq: error: <message>`, with its exit code."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()) or "error")
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        """Write the one line to stderr."""
+        click.echo(f"pgq: error: {self.format_message()}", err=True, file=file)
+
+
+class CliFailure(CliError):
+    """A failure that is not the user's: one line, exit code 1."""
+
+    exit_code = 1
+
+
+def cli_error(exc: PgqError) -> CliError:
+    """Exit 2 for user errors and an unusable database, 1 for anything else pgq raised."""
+    if isinstance(exc, UsageError | DatabaseUnavailable | EmbeddedServerError):
+        return CliError(str(exc))
+    return CliFailure(str(exc))
+
+
+class PgqGroup(click.Group):
+    """A click group that maps `PgqError` to `CliError` for every command below it."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """Run the command; a `PgqError` becomes one line on stderr and its exit code."""
+        try:
+            return super().invoke(ctx)
+        except PgqError as exc:
+            raise cli_error(exc) from None
+
+
+class CheckUnknown(click.ClickException):
+    """`pgq check` could not decide: `UNKNOWN: <reason>` on stdout, exit 3."""
+
+    exit_code = CHECK_EXIT_CODES["UNKNOWN"]
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()) or "unknown error")
+
+    def show(self, file: IO[Any] | None = None) -> None:
+        """Write the one line to stdout (where Nagios reads it)."""
+        click.echo(f"UNKNOWN: {self.format_message()}", file=file)
+
+
+class CheckCommand(click.Command):
+    """A command whose usage errors are `UNKNOWN` (exit 3), not click's exit 2."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            raise CheckUnknown(f"usage: {exc.format_message()}") from None
+
+
+# --- per-invocation state -----------------------------------------------------
+
+
+@dataclass
+class State:
+    """What the group-level options decided; the engine and settings are made lazily."""
+
+    dsn: str | None = None
+    config: str | None = None
+    schema: str | None = None
+    _engine: Engine | None = field(default=None, repr=False)
+    _settings: Settings | None = field(default=None, repr=False)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine for this invocation (created on first use, disposed on exit)."""
+        if self._engine is None:
+            self._engine = connect(cli_dsn(self.dsn), schema=self.schema)
+        return self._engine
+
+    @property
+    def settings(self) -> Settings:
+        """Settings from `--config`, then `PGQ_*` variables (loaded on first use)."""
+        if self._settings is None:
+            self._settings = load_settings(self.config)
+        return self._settings
+
+    def close(self) -> None:
+        """Dispose of the engine, if one was made."""
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+
+
+pass_state = click.make_pass_decorator(State)
+
+
+def cli_dsn(dsn: str | None) -> str | None:
+    """`dsn` with a short `connect_timeout` added when it sets none (None stays None).
+
+    A wrong host then fails in seconds, not after the OS's TCP timeout. Without a
+    DSN `pgq.connect` falls back to the embedded server, which is local.
+    """
+    if not dsn:
+        return None
+    return with_connect_timeout(dsn, CONNECT_TIMEOUT)
+
+
+# --- logging ------------------------------------------------------------------
+
+
+class _StderrHandler(logging.StreamHandler[IO[str]]):
+    """Writes to whatever `sys.stderr` is at the time of each record."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self) -> IO[str]:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: IO[str]) -> None:
+        pass
+
+
+def configure_logging(verbose: int, level: str | None = None) -> None:
+    """Send the `pgq` loggers to stderr: INFO by default, DEBUG with `-v`.
+
+    Other libraries stay at the root logger's WARNING. Calling it again (tests
+    invoke the CLI many times in one process) replaces the handler it installed.
+    """
+    logger = logging.getLogger("pgq")
+    for handler in list(logger.handlers):
+        if isinstance(handler, _StderrHandler):
+            logger.removeHandler(handler)
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT, _LOG_DATEFMT))
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if verbose else (level or "INFO").upper())
+
+
+# --- output -------------------------------------------------------------------
+
+
+def json_option(what: str) -> Callable[[F], F]:
+    """The `--json` flag (passed as `as_json`); `what` says what it prints."""
+    return click.option("--json", "as_json", is_flag=True, help=f"print {what}")
+
+
+def emit(data: Any, as_json: bool, human: Callable[[Any], Iterable[str]]) -> None:
+    """Print `data` as one JSON document, or as the lines `human(data)` renders."""
+    if as_json:
+        click.echo(json.dumps(data))
+        return
+    for line in human(data):
+        click.echo(line)
+
+
+# --- the root group -----------------------------------------------------------
+
+
+@click.group(cls=PgqGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--dsn",
+    envvar="PGQ_DSN",
+    metavar="DSN",
+    help="libpq URL or key=value string [env PGQ_DSN; default: the embedded server]",
+)
+@click.option(
+    "--config",
+    envvar="PGQ_CONFIG",
+    metavar="FILE",
+    help="TOML configuration file [env PGQ_CONFIG]",
+)
+@click.option(
+    "--schema", envvar="PGQ_SCHEMA", metavar="NAME", help="schema name [env PGQ_SCHEMA; pgq]"
+)
+@click.option("-v", "--verbose", count=True, help="debug logging on stderr")
+@click.option(
+    "--log-level",
+    envvar="PGQ_LOG_LEVEL",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    help="level of pgq's log lines on stderr [env PGQ_LOG_LEVEL; INFO]",
+)
+@click.version_option(package_name="pgq-breaker", prog_name="pgq")
+@click.pass_context
+def cli(
+    ctx: click.Context,
+    dsn: str | None,
+    config: str | None,
+    schema: str | None,
+    verbose: int,
+    log_level: str | None,
+) -> None:
+    """pgq: a PostgreSQL message queue whose consumer groups share a circuit breaker."""
+    configure_logging(verbose, log_level)
+    state = State(dsn=dsn or None, config=config or None, schema=schema or None)
+    ctx.obj = state
+    ctx.call_on_close(state.close)

@@ -1,0 +1,179 @@
+"""Human output: the lines `pgq status`, `members`, `breaker`, `dead` and `server status` print.
+
+Each renderer takes exactly the data the command prints with `--json` (the
+`pgq.monitor` dicts, DESIGN §7) and returns lines; it neither reads the
+database nor prints. `pgq.cli.base.emit` chooses between the JSON document and
+these lines, so both always come from the same data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = [
+    "breaker_lines",
+    "dead_lines",
+    "members_lines",
+    "one_line",
+    "server_status_lines",
+    "status_all_lines",
+    "status_lines",
+    "table",
+]
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """Left-aligned columns two spaces apart; `None` shows as `-`, booleans as yes/no."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [list(headers), *cells]
+    ]
+
+
+def _cell(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def one_line(text: str | None, width: int = 80) -> str | None:
+    """`text` with its whitespace collapsed, cut to `width` characters with an ellipsis."""
+    if text is None:
+        return None
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def members_lines(members: list[dict[str, Any]]) -> list[str]:
+    """`pgq members`: one row per member."""
+    if not members:
+        return ["no members"]
+    return table(
+        ("NAME", "LIVE", "LOCAL_BREAKER", "LAST_SEEN", "LEFT_AT"),
+        (
+            (m["name"], m["live"], m["local_breaker"], m["last_seen"], m.get("left_at"))
+            for m in members
+        ),
+    )
+
+
+def _holder_line(holder: dict[str, Any] | None) -> list[str]:
+    # a publisher's transaction holds the frontier for milliseconds: not worth a line
+    if not holder or holder["age_s"] < 1:
+        return []
+    return [
+        f"frontier held by pid {holder['pid']}: transaction open {holder['age_s']:.0f}s,"
+        f" {holder['state']}, database {holder['datname']}"
+    ]
+
+
+def status_lines(s: dict[str, Any]) -> list[str]:
+    """`pgq status GROUP`: frontier, lag, counts, totals, breaker and members."""
+    c, tot, b = s["counts"], s["totals"], s["breaker"]
+    live = sum(1 for m in s["members"] if m["live"])
+    breaker = f"{b['state']} since {b['since']}, epoch {b['epoch']}"
+    if b["prober"]:
+        breaker += f", prober {b['prober']}"
+    lines = [
+        f"group {s['group']} on topic {s['topic']}",
+        f"  committed  {_cell(s['committed'])}",
+        f"  lag        {s['lag']}",
+        f"  counts     ready {c['ready']}  leased {c['leased']}  done {c['done']}"
+        f"  dead {c['dead']} (systemic {c['dead_systemic']})",
+        f"  totals     reclaimed {tot['reclaimed']}  released {tot['released']}"
+        f"  refunded {tot['refunded']}",
+        f"  breaker    {breaker}",
+        f"  members    {live} live of {len(s['members'])}",
+    ]
+    lines += ["    " + line for line in members_lines(s["members"])] if s["members"] else []
+    return lines + ["  " + line for line in _holder_line(s.get("frontier_held_by"))]
+
+
+def status_all_lines(data: dict[str, Any]) -> list[str]:
+    """`pgq status`: one row per group."""
+    groups = data["groups"]
+    if not groups:
+        return ["no groups"]
+    lines = table(
+        (
+            "GROUP",
+            "TOPIC",
+            "COMMITTED",
+            "LAG",
+            "READY",
+            "LEASED",
+            "DONE",
+            "DEAD",
+            "BREAKER",
+            "LIVE",
+        ),
+        (
+            (
+                g["group"],
+                g["topic"],
+                g["committed"],
+                g["lag"],
+                g["counts"]["ready"],
+                g["counts"]["leased"],
+                g["counts"]["done"],
+                g["counts"]["dead"],
+                g["breaker"]["state"],
+                sum(1 for m in g["members"] if m["live"]),
+            )
+            for g in groups
+        ),
+    )
+    return lines + _holder_line(groups[0].get("frontier_held_by"))
+
+
+def breaker_lines(b: dict[str, Any]) -> list[str]:
+    """`pgq breaker GROUP`: state, since, epoch, prober, then the history table."""
+    lines = [
+        f"state   {b['state']}",
+        f"since   {b['since']}",
+        f"epoch   {b['epoch']}",
+        f"prober  {_cell(b['prober'])}",
+    ]
+    if b.get("next_probe_at"):
+        lines.append(f"next probe  {b['next_probe_at']}")
+    if not b["history"]:
+        return [*lines, "history: none"]
+    history = table(
+        ("EPOCH", "STATE", "AT", "REFUNDED"),
+        ((h["epoch"], h["state"], h["at"], h["refunded"]) for h in b["history"]),
+    )
+    return [*lines, "history:", *("  " + line for line in history)]
+
+
+def dead_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """`pgq dead GROUP`: one row per dead message, its error cut to one line."""
+    if not rows:
+        return ["no dead rows"]
+    return table(
+        ("MESSAGE_ID", "CLASS", "ATTEMPTS", "RECLAIMS", "REFUNDS", "UPDATED_AT", "ERROR"),
+        (
+            (
+                r["message_id"],
+                r["error_class"],
+                r["attempts"],
+                r["reclaims"],
+                r["refunds"],
+                r["updated_at"],
+                one_line(r["error"]),
+            )
+            for r in rows
+        ),
+    )
+
+
+def server_status_lines(d: dict[str, Any]) -> list[str]:
+    """`pgq server status`: running (pid, dsn, data directory) or not."""
+    if not d["running"]:
+        what = f"not ready, pid {d['pid']}" if d["pid"] else "not running"
+        return [f"{what} (data in {d['data_dir']})"]
+    return [f"running, pid {d['pid']}", f"dsn   {d['dsn']}", f"data  {d['data_dir']}"]
