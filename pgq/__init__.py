@@ -7,7 +7,6 @@ did to its messages. See DESIGN and the README for the whole story.
 
 from __future__ import annotations
 
-from pgq.connect import connect
 from pgq.consumer import Consumer
 from pgq.errors import (
     ConfigError,
@@ -20,10 +19,10 @@ from pgq.errors import (
     UnknownTopic,
     UsageError,
 )
-from pgq.message import Message, RunSummary
-from pgq.migrations import migrate
 from pgq.monitor import status
-from pgq.topics import create_topic, publish, publish_many, subscribe
+from pgq.records import Message, RunSummary
+from pgq.settings import Settings
+from pgq.store import connect, create_topic, migrate, publish, publish_many, subscribe
 
 __all__ = [
     "ConfigError",
@@ -34,6 +33,7 @@ __all__ = [
     "PgqError",
     "RetryLater",
     "RunSummary",
+    "Settings",
     "SystemicError",
     "UnknownGroup",
     "UnknownTopic",

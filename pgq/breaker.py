@@ -258,3 +258,24 @@ def probe_delay(failures: int, base: float, maximum: float) -> float:
     if failures == 0:
         return 0.0
     return capped_exponential(failures - 1, base, maximum)
+
+
+def pending_scope(
+    state: str, epoch: int, reconcile_epoch: int | None, reconcile_from: int | None
+) -> tuple[int, int] | None:
+    """The breaker epochs `[from, to)` whose systemic failures a reconciliation will refund.
+
+    While the group is OPEN at epoch E, the close will make epoch E + 1 and
+    refund failures from the previous close (E - 1) on, plus what an unfinished
+    earlier reconciliation still owes; while CLOSED with a reconciliation owed,
+    the owed range; otherwise None: nothing is pending and dead systemic rows
+    are real dead letters. Mirrors `pgq.sql.breaker.close` and `reconcile_batch`.
+    """
+    if state == "OPEN":
+        start = epoch - 1
+        if reconcile_epoch is not None and reconcile_from is not None:
+            start = min(start, reconcile_from)
+        return start, epoch + 1
+    if reconcile_epoch is not None and reconcile_from is not None:
+        return reconcile_from, reconcile_epoch
+    return None

@@ -60,6 +60,26 @@ class SchemaMissing(UsageError):
     """The pgq schema is not installed: run `pgq init`."""
 
 
+class PermissionDenied(UsageError):
+    """The database role lacks a privilege pgq needs (see `pgq grant`)."""
+
+
+class InvalidData(UsageError):
+    """The database refused a value (a NUL byte, a number out of range, ...)."""
+
+
+class DatabaseError(PgqError):
+    """The database refused a statement for a reason pgq does not classify."""
+
+
+class TransactionConflict(DatabaseError):
+    """The transaction lost a conflict (serialization failure, deadlock): retry it."""
+
+
+class StatementTimeout(DatabaseError):
+    """A statement ran past its time limit or was cancelled."""
+
+
 class EmbeddedServerError(PgqError):
     """The embedded PostgreSQL server could not be started."""
 

@@ -12,18 +12,15 @@ and the default is the documented default.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Engine
 
+from pgq.breaker import pending_scope
 from pgq.settings import DEFAULTS
-from pgq.sql import admin as aq
-from pgq.sql import status as q
-from pgq.store import wrap_errors
-from pgq.topics import group_info
+from pgq.store import inspect
 
 __all__ = [
     "CHECK_EXIT_CODES",
@@ -64,16 +61,6 @@ def iso(ts: dt.datetime | None) -> str | None:
     return ts.astimezone(dt.timezone.utc).isoformat()
 
 
-@contextlib.contextmanager
-def _snapshot(engine: Engine) -> Iterator[Connection]:
-    """A read-only connection whose statements all see one snapshot."""
-    with (
-        wrap_errors(),
-        engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn,
-    ):
-        yield conn
-
-
 def _member(row: Any) -> dict[str, Any]:
     return {
         "name": row.name,
@@ -99,8 +86,7 @@ def _breaker(row: Any) -> dict[str, Any]:
     }
 
 
-def _holder(conn: Connection) -> dict[str, Any] | None:
-    row = conn.execute(q.frontier_holder()).one_or_none()
+def _holder(row: Any) -> dict[str, Any] | None:
     if row is None:
         return None
     return {
@@ -122,12 +108,8 @@ _ZERO_COUNTS: Mapping[str, int] = {
 }
 
 
-def _group(
-    row: Any,
-    counts: Mapping[str, Any] | None,
-    members: list[dict[str, Any]],
-    holder: dict[str, Any] | None,
-) -> dict[str, Any]:
+def _group(rows: inspect.GroupRows) -> dict[str, Any]:
+    row, counts = rows.row, rows.counts
     c = {k: int(v) for k, v in (counts or _ZERO_COUNTS).items() if k in _ZERO_COUNTS}
     done = c["done"] + int(row.done_pruned)
     return {
@@ -148,8 +130,8 @@ def _group(
         },
         "lag": c["ready"] + c["leased"],
         "breaker": _breaker(row),
-        "members": members,
-        "frontier_held_by": holder,
+        "members": [_member(m) for m in rows.members],
+        "frontier_held_by": _holder(rows.holder),
     }
 
 
@@ -161,25 +143,12 @@ def status(engine: Engine, group: str, *, member_ttl: float = DEFAULT_MEMBER_TTL
     {state, since, prober, epoch}, members, and frontier_held_by (the backend
     with the oldest open transaction in the cluster, or None).
     """
-    with _snapshot(engine) as conn:
-        gid = group_info(conn, group).id
-        row = conn.execute(q.group_row(), {"group_id": gid}).one()
-        counts = conn.execute(q.group_counts(), {"group_id": gid}).one()._asdict()
-        mems = conn.execute(q.group_members(), {"group_id": gid, "ttl": member_ttl}).all()
-        holder = _holder(conn)
-    return _group(row, counts, [_member(m) for m in mems], holder)
+    return _group(inspect.group_status(engine, group, member_ttl))
 
 
 def status_all(engine: Engine, *, member_ttl: float = DEFAULT_MEMBER_TTL) -> dict[str, Any]:
     """`{"groups": [...]}`: the `status` object of every group, by name."""
-    with _snapshot(engine) as conn:
-        rows = conn.execute(q.all_group_rows()).all()
-        counts = {r.group_id: r._asdict() for r in conn.execute(q.all_group_counts())}
-        mems: dict[int, list[dict[str, Any]]] = {}
-        for m in conn.execute(q.all_members(), {"ttl": member_ttl}):
-            mems.setdefault(m.group_id, []).append(_member(m))
-        holder = _holder(conn)
-    return {"groups": [_group(r, counts.get(r.id), mems.get(r.id, []), holder) for r in rows]}
+    return {"groups": [_group(rows) for rows in inspect.all_group_status(engine, member_ttl)]}
 
 
 def members(engine: Engine, group: str, ttl: float = DEFAULT_MEMBER_TTL) -> list[dict[str, Any]]:
@@ -188,10 +157,7 @@ def members(engine: Engine, group: str, ttl: float = DEFAULT_MEMBER_TTL) -> list
     Each is `{"name", "live", "local_breaker", "last_seen", ...}`; `live` means a
     heartbeat within `ttl` seconds (database clock) and not left.
     """
-    with _snapshot(engine) as conn:
-        gid = group_info(conn, group).id
-        rows = conn.execute(q.group_members(), {"group_id": gid, "ttl": ttl}).all()
-    return [_member(m) for m in rows]
+    return [_member(m) for m in inspect.member_rows(engine, group, ttl)]
 
 
 def breaker_info(
@@ -202,12 +168,7 @@ def breaker_info(
     `{"state", "since", "prober", "epoch", "history": [{"epoch", "state", "at",
     "refunded"}, ...]}`, history newest first, at most `history_limit` entries.
     """
-    with _snapshot(engine) as conn:
-        gid = group_info(conn, group).id
-        row = conn.execute(q.group_row(), {"group_id": gid}).one()
-        history = conn.execute(
-            q.breaker_history(), {"group_id": gid, "limit": max(history_limit, 0)}
-        ).all()
+    row, history = inspect.breaker_rows(engine, group, history_limit)
     info = _breaker(row)
     info["history"] = [
         {
@@ -228,9 +189,6 @@ def dead(engine: Engine, group: str, limit: int = 100) -> list[dict[str, Any]]:
     Each is `{"message_id", "attempts", "reclaims", "refunds", "error_class",
     "error", "updated_at"}`.
     """
-    with _snapshot(engine) as conn:
-        gid = group_info(conn, group).id
-        rows = conn.execute(q.dead_rows(), {"group_id": gid, "limit": max(limit, 0)}).all()
     return [
         {
             "message_id": r.message_id,
@@ -241,7 +199,7 @@ def dead(engine: Engine, group: str, limit: int = 100) -> list[dict[str, Any]]:
             "error": r.error,
             "updated_at": iso(r.updated_at),
         }
-        for r in rows
+        for r in inspect.dead_rows(engine, group, limit)
     ]
 
 
@@ -251,32 +209,10 @@ def frontier_held_by(engine: Engine) -> dict[str, Any] | None:
     `{"pid", "age_s", "state", "datname", ...}`: while it stays open no group's
     frontier (and so no pruning) passes its transaction.
     """
-    with _snapshot(engine) as conn:
-        return _holder(conn)
+    return _holder(inspect.frontier_holder(engine))
 
 
 # --- pgq check ------------------------------------------------------------------
-
-
-def pending_scope(
-    state: str, epoch: int, reconcile_epoch: int | None, reconcile_from: int | None
-) -> tuple[int, int] | None:
-    """The breaker epochs `[from, to)` whose systemic failures a reconciliation will refund.
-
-    While the group is OPEN at epoch E, the close will make epoch E + 1 and
-    refund failures from the previous close (E - 1) on, plus what an unfinished
-    earlier reconciliation still owes; while CLOSED with a reconciliation owed,
-    the owed range; otherwise None: nothing is pending and dead systemic rows
-    are real dead letters. Mirrors `pgq.sql.breaker.close` and `reconcile_batch`.
-    """
-    if state == "OPEN":
-        start = epoch - 1
-        if reconcile_epoch is not None and reconcile_from is not None:
-            start = min(start, reconcile_from)
-        return start, epoch + 1
-    if reconcile_epoch is not None and reconcile_from is not None:
-        return reconcile_from, reconcile_epoch
-    return None
 
 
 def _dead_parts(dead: Mapping[str, int], pending: int) -> str:
@@ -344,19 +280,7 @@ def check(engine: Engine, group: str, max_refunds: int = DEFAULT_MAX_REFUNDS) ->
     Raises `UnknownGroup`, `DatabaseUnavailable`, `SchemaMissing`, ... like
     the other functions here; the CLI turns those into `UNKNOWN` (exit 3).
     """
-    with _snapshot(engine) as conn:
-        gid = group_info(conn, group).id
-        row = conn.execute(aq.check_group(), {"gid": gid}).one()
-        scope = pending_scope(
-            row.state, int(row.epoch), row.reconcile_epoch, row.reconcile_from_epoch
-        )
-        params = {
-            "gid": gid,
-            "max_refunds": max_refunds,
-            "pending_from": scope[0] if scope else None,
-            "pending_to": scope[1] if scope else None,
-        }
-        dead_row = conn.execute(aq.check_dead(), params).one()
+    row, dead_row = inspect.check_rows(engine, group, max_refunds)
     return check_verdict(
         state=row.state,
         epoch=int(row.epoch),

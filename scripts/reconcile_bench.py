@@ -62,7 +62,7 @@ def run(engine, schema: str, n: int) -> None:
             )
         )
         conn.execute(text("ANALYZE"))
-    info = pgq.topics.group_info(engine, "g")
+    info = pgq.store.group_info(engine, "g")
     store = GroupStore(info.id, "g", "t", "bench", 30, 3)
     member = GroupStore(info.id, "g", "t", "claimer", 30, 3)
 

@@ -1,5 +1,6 @@
-"""The consumer: a group member's threads around a buffered-claim pool."""
+"""The consumer: `Consumer` (the facade) and the member's threads."""
 
 from pgq.consumer.consumer import Consumer
+from pgq.consumer.prober import PROBE_THREAD
 
-__all__ = ["Consumer"]
+__all__ = ["PROBE_THREAD", "Consumer"]

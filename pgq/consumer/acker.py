@@ -14,8 +14,8 @@ import threading
 import time
 
 from pgq.consumer.member import Member, Role
-from pgq.consumer.model import Outcome
 from pgq.errors import DatabaseUnavailable
+from pgq.records import Lease, Outcome
 from pgq.store import RoleConnection
 
 logger = logging.getLogger("pgq.consumer")
@@ -31,12 +31,16 @@ IDLE_WAIT = 1.0
 class Acker(Role):
     """Drains the outcome queue into batched, fenced writes."""
 
-    def __init__(self, member: Member, outcomes: queue.SimpleQueue[Outcome | None]) -> None:
+    def __init__(self, member: Member) -> None:
         super().__init__(member, "pgq-acker")
-        self.outcomes = outcomes
+        self.outcomes: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
         self.finish = threading.Event()
         """Set once no more outcomes will come: flush and leave."""
         self.unwritten = 0
+
+    def submit(self, outcome: Outcome) -> None:
+        """Queue an outcome for the next batch."""
+        self.outcomes.put(outcome)
 
     def stop(self) -> None:
         """No more outcomes will come: write what is queued, then leave."""
@@ -83,16 +87,16 @@ class Acker(Role):
         finally:
             conn.close()
 
-    def _settle(self, written: list[Outcome], applied: set[int]) -> None:
+    def _settle(self, written: list[Outcome], applied: set[Lease]) -> None:
         m = self.member
-        refused = [o for o in written if o.claimed.id not in applied]
+        refused = [o for o in written if o.claimed.lease not in applied]
         for o in refused:
             logger.warning(
                 "outcome refused id=%d outcome=%s reason=lease lost (reclaimed by another member)",
                 o.claimed.id,
                 o.kind,
             )
-        m.let_go([o.claimed.id for o in written])
+        m.let_go([o.claimed.lease for o in written])
         with m.lock:
             m.outcomes_pending -= len(written)
             m.tally.refused += len(refused)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from pgq.breaker import LocalBreaker
-from pgq.consumer.model import Claimed, Outcome
+from pgq.records import Claimed, Outcome
 from pgq.settings import Settings
 
 logger = logging.getLogger("pgq.breaker")
@@ -31,12 +31,7 @@ ClaimMode = Literal["normal", "probe", "closed"]
 class Gate:
     """Local breaker state, the group state last seen, and the gating decisions."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        on_change: Callable[[], None],
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
         s = settings
         self.local = LocalBreaker(
             window=s.breaker_window,
@@ -47,12 +42,25 @@ class Gate:
             clock=clock,
         )
         self.clock = clock
-        self.on_change = on_change
+        self._listeners: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self.group_state = "CLOSED"
         self.epoch = 0
         self.tripped_epoch: int | None = None
         self._closed_at: float | None = None
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call `listener` whenever a breaker changes (the fetcher wakes, the heartbeat
+        reports at once)."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    def nudge(self) -> None:
+        """Tell the listeners to look again (a worker turned a row away)."""
+        self._changed()
 
     # -- what the threads ask ------------------------------------------------------
 
@@ -99,12 +107,12 @@ class Gate:
             elif outcome.kind == "done":
                 self.local.probe_result("success")
                 logger.info("local breaker closed after a successful probe id=%d", row.id)
-                self.on_change()
+                self._changed()
             elif systemic:
                 self.local.probe_result("systemic")
                 with self._lock:
                     self.tripped_epoch = self.epoch
-                self.on_change()
+                self._changed()
             else:
                 self.local.probe_result("inconclusive")
             return
@@ -118,7 +126,7 @@ class Gate:
                 self.epoch,
                 self.local.trips,
             )
-            self.on_change()
+            self._changed()
 
     def probe_not_claimed(self) -> None:
         """The fetcher found no row for a local probe."""
@@ -140,7 +148,7 @@ class Gate:
             self._closed_at = self.clock()
             if self.local.is_open:
                 self.local.probe_now()  # re-verify ourselves at once; the close does not heal us
-        self.on_change()
+        self._changed()
         return True
 
     def local_report(self) -> tuple[str, int | None]:

@@ -1,8 +1,9 @@
-"""The heartbeat/maintenance thread: periodic tasks on the member's own connection.
+"""The maintenance thread: periodic tasks on the member's own connection.
 
-Heartbeats, lease extension, the expired-lease sweep, the frontier advance,
+Lease extension, the expired-lease sweep, the frontier advance, statistics,
 pruning, retention and the handler-timeout watchdog run as small task objects
-(psycopg_pool's maintenance style): a task that fails logs and the loop goes on.
+on a scheduler (psycopg_pool's maintenance style): a task that fails logs and
+the loop goes on. The heartbeat has its own thread (`heartbeat.py`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 
 from pgq.consumer.member import Member, Role
 from pgq.errors import DatabaseUnavailable
-from pgq.store import EXPIRE_BATCH, RoleConnection
+from pgq.store import RoleConnection
+from pgq.store.group import EXPIRE_BATCH
 
 logger = logging.getLogger("pgq.consumer")
 
@@ -41,7 +43,7 @@ class Maintenance(Role):
         super().__init__(member, "pgq-maintenance")
         self.clock = clock
         self.finish = threading.Event()
-        self._poked = threading.Event()
+        self._wake = threading.Event()
         self.conn = RoleConnection(member.engine, "maintenance", self.finish)
         self.tasks: list[Task] = []
 
@@ -52,28 +54,25 @@ class Maintenance(Role):
     def work(self) -> None:
         try:
             while not self.finish.is_set():
-                now = self.clock()
-                for task in self.tasks:
-                    if now >= task.due:
-                        self._run_task(task)
-                        task.due = self.clock() + task.interval
-                next_due = min((t.due for t in self.tasks), default=now + 1.0)
-                self._poked.wait(max(0.0, min(1.0, next_due - self.clock())))
-                self._poked.clear()
+                wait = self.run_due()
+                self._wake.wait(min(1.0, wait))
         finally:
             self.conn.close()
 
-    def poke(self, name: str) -> None:
-        """Run task `name` as soon as possible."""
+    def run_due(self) -> float:
+        """Run every task that is due (in the order added); return seconds to the next."""
+        now = self.clock()
         for task in self.tasks:
-            if task.name == name:
-                task.due = 0.0
-        self._poked.set()
+            if now >= task.due:
+                self._run_task(task)
+                task.due = self.clock() + task.interval
+        next_due = min((t.due for t in self.tasks), default=now + 1.0)
+        return max(0.0, next_due - self.clock())
 
     def stop(self) -> None:
         """Leave after the current round."""
         self.finish.set()
-        self._poked.set()
+        self._wake.set()
 
     def _run_task(self, task: Task) -> None:
         try:
@@ -100,11 +99,11 @@ class Maintenance(Role):
         if not leases:
             return
         kept = self.conn.run(m.store.extend, leases)
-        lost = [lease[0] for lease in leases if lease[0] not in kept]
+        lost = [lease for lease in leases if lease not in kept]
         if lost:
             # written meanwhile (fine) or reclaimed by someone else (fenced)
             with m.lock:
-                still_held = [mid for mid in lost if mid in m.held]
+                still_held = [lease.id for lease in lost if lease in m.held]
             if still_held:
                 logger.debug("leases no longer held ids=%s", still_held[:20])
 
@@ -114,8 +113,7 @@ class Maintenance(Role):
         swept = self.conn.run(m.store.sweep)
         if swept.reclaimed:
             logger.info("reclaimed expired leases count=%d dead=%d", swept.reclaimed, swept.dead)
-            with m.lock:
-                m.tally.reclaimed += swept.reclaimed
+            m.count_reclaimed(swept.reclaimed)
 
     def advance_frontier(self) -> None:
         self.conn.run(self.member.store.advance_frontier)

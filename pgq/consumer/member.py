@@ -1,20 +1,17 @@
-"""State one consumer member shares between its threads."""
+"""State one consumer member shares between its threads, and the thread base."""
 
 from __future__ import annotations
 
 import abc
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from sqlalchemy import Engine
 
-from pgq.classify import Classification
-from pgq.consumer.model import Claimed, Outcome
+from pgq.consumer.handling import Handling
 from pgq.consumer.pool import ClaimPool
-from pgq.message import Message, StopReason
+from pgq.records import Claimed, Lease, Outcome, StopReason
 from pgq.settings import Settings
 from pgq.store import GroupStore
 
@@ -42,8 +39,7 @@ class Member:
     engine: Engine
     settings: Settings
     store: GroupStore
-    handler: Callable[[Message], Any]
-    classify: Callable[[BaseException], Classification]
+    handling: Handling
     topic_id: int
     pool: ClaimPool[Claimed]
     until_empty: bool = False
@@ -56,8 +52,9 @@ class Member:
     """Set last: database retries give up, every thread leaves."""
     stop_reason: StopReason | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
-    held: dict[int, Claimed] = field(default_factory=dict)
-    """Rows this member holds a lease on (buffered or running), by message id."""
+    held: dict[Lease, Claimed] = field(default_factory=dict)
+    """Rows this member holds a lease on (buffered or running), by lease: a stale
+    copy of a message can never shadow the member's newer lease on it."""
     tally: Tally = field(default_factory=Tally)
     deferred: list[Claimed] = field(default_factory=list)
     """Buffered rows a closed gate turned away at dispatch, waiting to be released."""
@@ -90,13 +87,13 @@ class Member:
         """Remember freshly claimed rows (their leases are extended until written)."""
         with self.lock:
             for row in rows:
-                self.held[row.id] = row
+                self.held[row.lease] = row
 
-    def let_go(self, ids: list[int]) -> None:
+    def let_go(self, leases: list[Lease]) -> None:
         """Forget rows whose outcome was written or that were released."""
         with self.lock:
-            for mid in ids:
-                self.held.pop(mid, None)
+            for lease in leases:
+                self.held.pop(lease, None)
 
     def defer(self, row: Claimed) -> None:
         """A closed gate turned `row` away: release it with the next batch."""
@@ -108,10 +105,18 @@ class Member:
             rows, self.deferred = self.deferred, []
             return rows
 
-    def leases(self) -> list[tuple[int, int]]:
-        """The (id, seq) of every row this member holds."""
+    def leases(self) -> list[Lease]:
+        """The lease of every row this member holds."""
         with self.lock:
-            return [row.lease for row in self.held.values()]
+            return list(self.held)
+
+    def count_released(self, n: int) -> None:
+        with self.lock:
+            self.tally.released += n
+
+    def count_reclaimed(self, n: int) -> None:
+        with self.lock:
+            self.tally.reclaimed += n
 
     def budget(self) -> int | None:
         """How many more rows may be claimed under `max_messages` (None: no limit)."""

@@ -42,6 +42,11 @@ class ClaimPool(Generic[T]):
     def __len__(self) -> int:
         return len(self._items)
 
+    @property
+    def closed(self) -> bool:
+        """True once `shut()` or `close()` ran: no row is handed out any more."""
+        return self._closed
+
     def put_many(self, items: Iterable[T]) -> None:
         """Add claimed rows (the fetcher never claims more than the free slots)."""
         now = time.monotonic()
@@ -92,10 +97,15 @@ class ClaimPool(Generic[T]):
 
     def close(self) -> list[T]:
         """Stop handing out rows; return the ones still buffered."""
+        self.shut()
+        return self.drain()
+
+    def shut(self) -> None:
+        """Stop handing out rows and wake every waiter; buffered rows stay for `drain()`."""
         with self._filled:
             self._closed = True
             self._filled.notify_all()
-        return self.drain()
+            self._emptied.notify_all()
 
     def wake(self) -> None:
         """Wake every waiter (used on stop)."""

@@ -12,25 +12,17 @@ its connection drops, the lock frees itself and another member takes over.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
-
-from sqlalchemy import Connection, Engine
 
 from pgq.breaker import probe_delay
-from pgq.connect import connect, conninfo_of, schema_of
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
-from pgq.consumer.model import Claimed, Outcome
-from pgq.consumer.workers import failure_outcome
 from pgq.errors import DatabaseUnavailable
-from pgq.sql import breaker as breaker_sql
-from pgq.sql.locks import lock_key, try_session_lock, unlock_session
-from pgq.store import RoleConnection, wrap_errors
+from pgq.records import Claimed, Outcome
+from pgq.store import LockConnection, LostLock, RoleConnection
 
 logger = logging.getLogger("pgq.breaker")
 
@@ -38,54 +30,6 @@ RECONCILE_BATCH = 5000
 
 PROBE_THREAD = "pgq-probe-attempt"
 """The name of the thread a group probe's handler runs in (handlers may log it)."""
-
-
-class LostLock(Exception):
-    """The lock connection failed or no longer holds the probe lock."""
-
-
-def probe_lock_key(schema: str, group: str) -> int:
-    """The advisory lock key that elects the prober of `group` in `schema`."""
-    return lock_key(schema, "probe", group)
-
-
-class LockConnection:
-    """The prober's dedicated connection (autocommit, no pool) that holds the lock."""
-
-    def __init__(self, engine: Engine, key: int) -> None:
-        self.engine = connect(
-            conninfo_of(engine), schema=schema_of(engine), pool_size=None
-        ).execution_options(isolation_level="AUTOCOMMIT")
-        self.key = key
-        self.conn: Connection | None = None
-
-    def acquire(self) -> bool:
-        """Try to take the lock; False if another session holds it."""
-        with wrap_errors():
-            if self.conn is None:
-                self.conn = self.engine.connect()
-            return bool(self.conn.execute(try_session_lock(self.key)).scalar())
-
-    def check(self) -> None:
-        """Raise `LostLock` unless the connection answers and pg_locks shows the lock."""
-        try:
-            with wrap_errors():
-                assert self.conn is not None
-                held = self.conn.execute(breaker_sql.lock_held()).scalar()
-        except Exception as exc:
-            raise LostLock(str(exc)) from exc
-        if not held:
-            raise LostLock("the probe lock is no longer held")
-
-    def release(self) -> None:
-        """Unlock and close (closing alone would free the lock too)."""
-        conn, self.conn = self.conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.execute(unlock_session(self.key))
-            with contextlib.suppress(Exception):
-                conn.close()
-        self.engine.dispose()
 
 
 class Prober(Role):
@@ -105,8 +49,7 @@ class Prober(Role):
         self.clock = clock
         self.done = threading.Event()
         self.conn = RoleConnection(member.engine, "prober", member.stopping)
-        key = probe_lock_key(schema_of(member.engine), member.store.group)
-        self.lock = LockConnection(member.engine, key)
+        self.lock = LockConnection(member.engine, member.store.group)
         self.sitting_out = False
 
     # -- election ---------------------------------------------------------------
@@ -222,8 +165,8 @@ class Prober(Role):
         if outcome.kind == "done":
             written = self.conn.retrying(m.store.probe_done, row)
         else:
-            written = row.id in self.conn.retrying(m.store.record, [outcome])
-        m.let_go([row.id])
+            written = row.lease in self.conn.retrying(m.store.record, [outcome])
+        m.let_go([row.lease])
         m.count_outcome(outcome, pending=False)
         if not written:
             logger.warning("probe outcome refused id=%d (lease lost)", row.id)
@@ -231,25 +174,17 @@ class Prober(Role):
 
     def _attempt(self, row: Claimed) -> Outcome:
         """The handler on the probe row, bounded by `handler_timeout`."""
-        m = self.member
-        result: dict[str, Any] = {}
-
-        def call() -> None:
-            try:
-                m.handler(row.message)
-                result["outcome"] = Outcome(row, "done")
-            except BaseException as exc:
-                result["outcome"] = failure_outcome(m, row, exc)
-
-        runner = threading.Thread(target=call, name=PROBE_THREAD, daemon=True)
-        runner.start()
-        runner.join(m.settings.handler_timeout)
-        if "outcome" in result:
-            return result["outcome"]
-        exc = TimeoutError(
-            f"probe ran longer than handler_timeout ({m.settings.handler_timeout:g}s)"
+        handling, timeout = self.member.handling, self.member.settings.handler_timeout
+        result: list[Outcome] = []
+        runner = threading.Thread(
+            target=lambda: result.append(handling.run(row)), name=PROBE_THREAD, daemon=True
         )
-        return failure_outcome(m, row, exc)
+        runner.start()
+        runner.join(timeout)
+        if result:
+            return result[0]
+        exc = TimeoutError(f"probe ran longer than handler_timeout ({timeout:g}s)")
+        return handling.failure(row, exc)
 
     def _reconcile(self, close_epoch: int, from_epoch: int) -> None:
         """Refund the outage's systemic rows in bounded batches (resumable)."""

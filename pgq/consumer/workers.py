@@ -1,9 +1,11 @@
 """Worker threads: run the handler on rows from the pool and report outcomes.
 
-Workers never touch the database. A handler that runs past `handler_timeout`
-is abandoned: its row gets a systemic `TimeoutError` outcome at once, a new
-worker takes the thread's place, and whatever the old thread returns later is
-discarded.
+Workers never touch the database. Each row passes the gate first (a closed
+gate turns it away: it is deferred for release, unstarted); each outcome goes
+to the gate (the local breaker counts it) and then to the acker. A handler
+that runs past `handler_timeout` is abandoned by the watchdog: its row gets a
+systemic `TimeoutError` outcome at once, a new worker takes the thread's
+place, and whatever the old thread returns later is discarded.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pgq.backoff import retry_delay
+from pgq.consumer.acker import Acker
+from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
-from pgq.consumer.model import Claimed, Outcome
-from pgq.errors import RetryLater
+from pgq.records import Claimed, Outcome
 
 logger = logging.getLogger("pgq.consumer")
 
@@ -36,34 +38,13 @@ class Attempt:
     abandoned: bool = False
 
 
-def failure_outcome(member: Member, row: Claimed, exc: BaseException) -> Outcome:
-    """The outcome of a handler that raised `exc`: retry, or dead."""
-    if isinstance(exc, RetryLater):
-        return Outcome(row, "snooze", delay=exc.delay)
-    error_class = member.classify(exc)
-    text = f"{type(exc).__name__}: {exc}"
-    finished = row.attempts + 1
-    s = member.settings
-    if error_class == "permanent" or finished >= s.max_attempts:
-        return Outcome(row, "dead", error_class=error_class, error=text)
-    delay = retry_delay(finished, s.retry_backoff, s.retry_backoff_max)
-    return Outcome(row, "retry", delay=delay, error_class=error_class, error=text)
-
-
 class Worker(Role):
     """Takes rows from the pool and runs the handler on each."""
 
-    def __init__(
-        self,
-        member: Member,
-        index: int,
-        report: Callable[[Outcome], None],
-        admit: Callable[[Claimed], bool],
-        clock: Clock,
-    ) -> None:
+    def __init__(self, member: Member, index: int, gate: Gate, acker: Acker, clock: Clock) -> None:
         super().__init__(member, f"pgq-worker-{index}")
-        self.report = report
-        self.admit = admit
+        self.gate = gate
+        self.acker = acker
         self.clock = clock
         self.retired = threading.Event()
         self._lock = threading.Lock()
@@ -74,29 +55,27 @@ class Worker(Role):
         while not self.retired.is_set():
             row = m.pool.take(timeout=IDLE_WAIT)  # closing the pool wakes every worker
             if row is None:
-                if m.stop_claiming.is_set() and len(m.pool) == 0:
+                if m.pool.closed or (m.stop_claiming.is_set() and len(m.pool) == 0):
                     return
                 continue
-            if self.admit(row):
+            if self.gate.admit(row):
                 self.execute(row)
+            else:
+                m.defer(row)
+                self.gate.nudge()  # the fetcher releases it
 
     def execute(self, row: Claimed) -> None:
         """Run the handler on one row and report its outcome (unless abandoned)."""
         attempt = Attempt(row, self.clock())
         with self._lock:
             self.current = attempt
-        try:
-            self.member.handler(row.message)
-            outcome = Outcome(row, "done")
-        except BaseException as exc:  # a handler's SystemExit must not kill the worker
-            outcome = failure_outcome(self.member, row, exc)
-            logger.debug("handler failed id=%d outcome=%s error=%r", row.id, outcome.kind, exc)
+        outcome = self.member.handling.run(row)
         with self._lock:
             self.current = None
             if attempt.abandoned:
                 logger.warning("late outcome discarded id=%d (handler timed out)", row.id)
                 return
-        self.report(outcome)
+        report(self.member, self.gate, self.acker, outcome)
 
     def abandon_if_overdue(self, now: float, timeout: float) -> Outcome | None:
         """If the running handler is past `timeout`, abandon it; return its outcome."""
@@ -109,29 +88,32 @@ class Worker(Role):
         self.retired.set()
         exc = TimeoutError(f"handler ran longer than handler_timeout ({timeout:g}s)")
         logger.warning("handler timed out id=%d thread=%s", attempt.row.id, self.name)
-        return failure_outcome(self.member, attempt.row, exc)
+        return self.member.handling.failure(attempt.row, exc)
+
+
+def report(member: Member, gate: Gate, acker: Acker, outcome: Outcome) -> None:
+    """A finished attempt: the local breaker sees it, the run counts it, the acker writes it."""
+    gate.observe(outcome)
+    member.count_outcome(outcome)
+    acker.submit(outcome)
 
 
 class Workers:
     """The member's worker threads, and the handler-timeout watchdog."""
 
     def __init__(
-        self,
-        member: Member,
-        report: Callable[[Outcome], None],
-        admit: Callable[[Claimed], bool],
-        clock: Clock = time.monotonic,
+        self, member: Member, gate: Gate, acker: Acker, clock: Clock = time.monotonic
     ) -> None:
         self.member = member
-        self.report = report
-        self.admit = admit
+        self.gate = gate
+        self.acker = acker
         self.clock = clock
         self.threads: list[Worker] = []
         self._spawned = 0
 
     def spawn(self) -> Worker:
         self._spawned += 1
-        worker = Worker(self.member, self._spawned, self.report, self.admit, self.clock)
+        worker = Worker(self.member, self._spawned, self.gate, self.acker, self.clock)
         self.threads.append(worker)
         worker.start()
         return worker
@@ -147,7 +129,7 @@ class Workers:
             outcome = worker.abandon_if_overdue(now, limit)
             if outcome is not None:
                 self.threads.remove(worker)
-                self.report(outcome)
+                report(self.member, self.gate, self.acker, outcome)
                 if not self.member.stop_claiming.is_set():
                     self.spawn()
 
@@ -156,12 +138,3 @@ class Workers:
         for worker in self.threads:
             worker.join(max(0.0, deadline - time.monotonic()))
         return [w for w in self.threads if w.is_alive()]
-
-    def running(self) -> list[Claimed]:
-        """Rows whose handler is running now."""
-        rows = []
-        for worker in self.threads:
-            attempt = worker.current
-            if attempt is not None:
-                rows.append(attempt.row)
-        return rows

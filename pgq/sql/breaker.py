@@ -73,7 +73,7 @@ def state() -> Executable:
         br.c.epoch,
         func.coalesce(br.c.next_probe_at <= func.now(), True).label("probe_due"),
         br.c.reconcile_epoch,
-        br.c.reconcile_from_epoch,
+        br.c.reconcile_from_epoch.label("reconcile_from"),
         br.c.probe_failures,
     ).where(br.c.group_id == bindparam("gid"))
 

@@ -74,11 +74,30 @@ def claim(limit: int) -> Executable:
     return lease_picked(pick)
 
 
+def claimed_columns() -> dict[str, ColumnElement[Any]]:
+    """What a claim returns, by name, in order: the store maps rows from this list."""
+    return {
+        "message_id": d.c.message_id,
+        "lease_seq": d.c.lease_seq,
+        "attempts": d.c.attempts,
+        "key": m.c.key,
+        # as text: json.loads on str is the C fast path (the driver's jsonb
+        # loader decodes bytes through the slower pure-Python path)
+        "payload": cast(m.c.payload, Text),
+        "headers": cast(m.c.headers, Text),
+        "created_at": m.c.created_at,
+    }
+
+
+CLAIMED = tuple(claimed_columns())
+"""The names of a claim's `RETURNING` columns, in order."""
+
+
 def lease_picked(pick: Any) -> Executable:
     """Lease the rows of the CTE `pick` (a `message_id` column) to `:member` for `:lease`.
 
-    Gives each row a fresh `lease_seq` token, so every claim is a new fence; returns the rows
-    joined with their messages, in the column order `GroupStore` reads.
+    Gives each row a fresh `lease_seq` token, so every claim is a new fence; returns
+    the rows joined with their messages, as `claimed_columns()` names them.
     """
     return (
         update(d)
@@ -94,17 +113,7 @@ def lease_picked(pick: Any) -> Executable:
             lease_expires_at=func.now() + bindparam("lease", type_=Interval),
             updated_at=func.now(),
         )
-        .returning(
-            d.c.message_id,
-            d.c.lease_seq,
-            d.c.attempts,
-            m.c.key,
-            # as text: json.loads on str is the C fast path (the driver's jsonb
-            # loader decodes bytes through the slower pure-Python path)
-            cast(m.c.payload, Text),
-            cast(m.c.headers, Text),
-            m.c.created_at,
-        )
+        .returning(*(column.label(name) for name, column in claimed_columns().items()))
     )
 
 
@@ -115,7 +124,7 @@ def extend_leases() -> Executable:
         update(d)
         .where(fenced())
         .values(lease_expires_at=func.now() + bindparam("lease", type_=Interval))
-        .returning(d.c.message_id)
+        .returning(d.c.message_id, d.c.lease_seq)
     )
 
 
@@ -126,7 +135,7 @@ def release() -> Executable:
         update(d)
         .where(fenced())
         .values(state=t.READY, lease_owner=None, lease_expires_at=None, updated_at=func.now())
-        .returning(d.c.message_id)
+        .returning(d.c.message_id, d.c.lease_seq)
     )
 
 

@@ -62,8 +62,14 @@ def heartbeat() -> Executable:
             tripped_epoch=bindparam("tripped_epoch", type_=Integer),
         )
         .returning(
-            select(br.c.state).where(br.c.group_id == mb.c.group_id).scalar_subquery(),
-            select(br.c.epoch).where(br.c.group_id == mb.c.group_id).scalar_subquery(),
+            select(br.c.state)
+            .where(br.c.group_id == mb.c.group_id)
+            .scalar_subquery()
+            .label("state"),
+            select(br.c.epoch)
+            .where(br.c.group_id == mb.c.group_id)
+            .scalar_subquery()
+            .label("epoch"),
         )
     )
 
@@ -92,9 +98,11 @@ def drain_state() -> Executable:
     )
     ready = d.c.state == t.READY
     return select(
-        func.count().filter(and_(ready, d.c.available_at <= func.now())),
-        func.count().filter(and_(ready, d.c.available_at > func.now())),
-        func.count().filter(
+        func.count().filter(and_(ready, d.c.available_at <= func.now())).label("ready_now"),
+        func.count().filter(and_(ready, d.c.available_at > func.now())).label("waiting_retry"),
+        func.count()
+        .filter(
             and_(d.c.state == t.LEASED, (d.c.lease_owner == bindparam("member")) | ~holder_live)
-        ),
+        )
+        .label("held"),
     ).where(d.c.group_id == bindparam("gid"), d.c.state.in_([t.READY, t.LEASED]))

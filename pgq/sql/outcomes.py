@@ -47,7 +47,7 @@ def ack_done() -> Executable:
             lease_expires_at=None,
             updated_at=func.now(),
         )
-        .returning(d.c.message_id)
+        .returning(d.c.message_id, d.c.lease_seq)
     )
 
 
@@ -101,5 +101,5 @@ def record_failures() -> Executable:
             lease_expires_at=None,
             updated_at=func.now(),
         )
-        .returning(d.c.message_id)
+        .returning(d.c.message_id, d.c.lease_seq)
     )

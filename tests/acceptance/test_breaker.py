@@ -23,7 +23,7 @@ from sqlalchemy import Engine
 
 import pgq
 from pgq import monitor
-from pgq.consumer.prober import probe_lock_key
+from pgq.store import probe_lock_key
 
 pytestmark = pytest.mark.slow
 
@@ -329,7 +329,7 @@ def test_prober_killed_mid_reconciliation_next_leader_finishes(engine, pg_dsn, s
         "import os, signal, pgq\n"
         "from pgq.store import GroupStore, run_once\n"
         f"e = pgq.connect({pg_dsn!r}, schema={schema!r})\n"
-        "info = pgq.topics.group_info(e, 'g')\n"
+        "info = pgq.store.group_info(e, 'g')\n"
         "s = GroupStore(info.id, 'g', 't', 'dying', 30, 3)\n"
         "close = run_once(e, s.close, 1)\n"
         "assert close == 2, close\n"

@@ -18,7 +18,7 @@ from helpers import consumer_env, finish, read_ids, spawn_pgq, wait_until
 
 import pgq
 from pgq import embedded
-from pgq.connect import connect
+from pgq.store import connect
 
 pytestmark = [
     pytest.mark.slow,

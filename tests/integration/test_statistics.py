@@ -6,8 +6,7 @@ from helpers import wait_until
 from sqlalchemy import Engine, text
 
 import pgq
-from pgq.store import GroupStore, run_once
-from pgq.topics import group_info
+from pgq.store import GroupStore, group_info, run_once
 
 
 def test_a_burst_gets_the_delivery_table_analyzed_once(engine: Engine, schema: str):

@@ -105,7 +105,7 @@ def test_counts_states_totals_and_dead_rows(billing):
 
 
 def test_members_liveness_uses_the_database_clock_and_ttl(billing):
-    gid = pgq.topics.group_info(billing, "billing").id
+    gid = pgq.store.group_info(billing, "billing").id
     m = t.member
     with billing.begin() as conn:
         conn.execute(insert(m).values(group_id=gid, name="a", host="h", pid=1))
@@ -135,7 +135,7 @@ def test_members_liveness_uses_the_database_clock_and_ttl(billing):
 
 
 def test_breaker_history_newest_first(billing):
-    gid = pgq.topics.group_info(billing, "billing").id
+    gid = pgq.store.group_info(billing, "billing").id
     h = t.breaker_history
     with billing.begin() as conn:
         conn.execute(insert(h).values(group_id=gid, epoch=0, state="OPEN"))

@@ -10,12 +10,12 @@ from typing import Any
 
 from sqlalchemy import Engine
 
-from pgq.connect import schema_of
 from pgq.errors import UsageError
 from pgq.sql import admin as q
 from pgq.sql.publish import notify_channel
-from pgq.store import wrap_errors
-from pgq.topics import group_info
+from pgq.store.engine import schema_of
+from pgq.store.errors import wrap_errors
+from pgq.store.topics import group_info
 
 MAX_LISTED_IDS = 10_000
 """Most message ids one audit row lists; `count` always has the full number."""
@@ -98,3 +98,15 @@ def requeue(
             channel = notify_channel(schema_of(engine))
             conn.execute(q.notify(), {"channel": channel, "topic": info.topic})
     return RequeueResult(count=int(count), audit_id=int(audit_id))
+
+
+def database_now(engine: Engine) -> Any:
+    """The database clock (`now()`): the time leases and retries are measured in."""
+    with wrap_errors(), engine.connect() as conn:
+        return conn.execute(q.clock()).scalar_one()
+
+
+def drop_schema(engine: Engine, schema: str) -> None:
+    """Drop `schema` and everything in it (the demo cleans up after itself)."""
+    with wrap_errors(), engine.begin() as conn:
+        conn.execute(q.drop_schema(schema))

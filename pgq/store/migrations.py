@@ -15,10 +15,10 @@ from sqlalchemy import Connection, Engine, func, insert, select
 from sqlalchemy.schema import CreateSchema
 
 from pgq import schema as t
-from pgq.connect import schema_of
 from pgq.errors import PgqError
 from pgq.sql.locks import lock_key, xact_lock
-from pgq.store import wrap_errors
+from pgq.store.engine import schema_of
+from pgq.store.errors import wrap_errors
 
 logger = logging.getLogger(__name__)
 

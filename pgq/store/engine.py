@@ -109,3 +109,14 @@ def first_line(exc: BaseException) -> str:
         if line.strip():
             return line.strip()
     return type(exc).__name__
+
+
+def with_connect_timeout(dsn: str, seconds: int) -> str:
+    """`dsn` with `connect_timeout=seconds` added unless it (or `$PGCONNECT_TIMEOUT`)
+    sets one already: a wrong host then fails in seconds, not after the OS's TCP
+    timeout. Raises `BadDsn` for an address libpq cannot parse."""
+    check_dsn(dsn)
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    if "connect_timeout" in params or os.environ.get("PGCONNECT_TIMEOUT"):
+        return dsn
+    return psycopg.conninfo.make_conninfo(dsn, connect_timeout=seconds)

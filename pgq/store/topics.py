@@ -5,30 +5,19 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-import re
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 from sqlalchemy import Connection, Engine
 
-from pgq.connect import schema_of
-from pgq.errors import InvalidName, InvalidPayload, UnknownGroup, UnknownTopic, UsageError
+from pgq.errors import InvalidPayload, UnknownGroup, UnknownTopic, UsageError
+from pgq.names import check_name
+from pgq.records import GroupInfo
 from pgq.sql import publish as q
-from pgq.store import wrap_errors
-
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+from pgq.store.engine import schema_of
+from pgq.store.errors import wrap_errors
 
 Bind = Engine | Connection
-
-
-def check_name(kind: str, name: object) -> str:
-    """Return `name` if it is a valid topic or group name, else raise `InvalidName`."""
-    if not isinstance(name, str) or not NAME_RE.match(name):
-        raise InvalidName(
-            f"invalid {kind} name {name!r}: 1-63 characters of letters, digits, '.', '_' or '-',"
-            " starting with a letter or digit"
-        )
-    return name
 
 
 @contextlib.contextmanager
@@ -79,14 +68,14 @@ def subscribe(
             conn.execute(q.backfill_group(), {"gid": group_id, "topic_id": topic_id})
 
 
-def group_info(target: Bind, group: str) -> Any:
-    """The group's row (id, name, topic, topic_id); raises `UnknownGroup`."""
+def group_info(target: Bind, group: str) -> GroupInfo:
+    """The group as stored; raises `UnknownGroup`."""
     check_name("group", group)
     with wrap_errors(), _transaction(target) as conn:
-        row = conn.execute(q.group_by_name(), {"name": group}).one_or_none()
+        row = conn.execute(q.group_by_name(), {"name": group}).mappings().one_or_none()
     if row is None:
         raise UnknownGroup(f"unknown group {group!r}")
-    return row
+    return GroupInfo(**row)
 
 
 def to_json(value: Any) -> str:

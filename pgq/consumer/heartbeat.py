@@ -1,0 +1,114 @@
+"""The heartbeat thread: the member's liveness and its view of the group breaker.
+
+Every `breaker.heartbeat` seconds (at once when a breaker changes) it records
+the member's liveness and local breaker state, opens the group when the
+quorum of tripped live members is there (one conditional statement), feeds
+the group state to the gate, and starts the prober while the group is OPEN or
+a reconciliation is owed. It has its own connection, so a long maintenance
+task never delays a heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from sqlalchemy import Connection
+
+from pgq.consumer.gate import Gate
+from pgq.consumer.member import Member, Role
+from pgq.consumer.prober import Prober
+from pgq.errors import DatabaseUnavailable
+from pgq.records import BreakerView
+from pgq.store import RoleConnection
+
+logger = logging.getLogger("pgq.breaker")
+
+
+class Heartbeat(Role):
+    """Beats until `stop()`; owns the member's prober thread."""
+
+    def __init__(
+        self, member: Member, gate: Gate, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        super().__init__(member, "pgq-heartbeat")
+        self.gate = gate
+        self.clock = clock
+        self.finish = threading.Event()
+        self._poked = threading.Event()
+        self.conn = RoleConnection(member.engine, "heartbeat", self.finish)
+        self.prober: Prober | None = None
+        self._failing = False
+
+    def poke(self) -> None:
+        """Beat as soon as possible (a breaker changed)."""
+        self._poked.set()
+
+    def stop(self) -> None:
+        self.finish.set()
+        self._poked.set()
+
+    def work(self) -> None:
+        interval = self.member.settings.breaker_heartbeat
+        try:
+            while not self.finish.is_set():
+                self._poked.clear()
+                self._beat_logged()
+                self._poked.wait(interval)
+        finally:
+            self.conn.close()
+
+    def _beat_logged(self) -> None:
+        try:
+            self.beat()
+        except DatabaseUnavailable as exc:
+            if not self._failing:
+                logger.warning("heartbeat failed error=%s", exc)
+            self._failing = True
+            return
+        if self._failing:
+            logger.info("heartbeat recovered")
+        self._failing = False
+
+    def beat(self) -> None:
+        """Record liveness and the local breaker; open the group on quorum; follow it."""
+        m, gate, s = self.member, self.gate, self.member.settings
+        local, tripped = gate.local_report()
+
+        def beat(conn: Connection) -> tuple[BreakerView, int | None]:
+            m.store.heartbeat(conn, local, tripped)
+            view = m.store.breaker(conn)
+            if view.state == "CLOSED" and local == "open" and tripped == view.epoch:
+                opened = m.store.open_on_quorum(
+                    conn,
+                    view.epoch,
+                    ttl=s.breaker_member_ttl,
+                    min_members=s.breaker_min_members,
+                    quorum=s.breaker_quorum,
+                )
+                return view, opened
+            return view, None
+
+        view, opened = self.conn.run(beat)
+        if opened is not None:
+            logger.warning(
+                "group breaker opened by quorum group=%s epoch=%d", m.store.group, opened
+            )
+            gate.see_group("OPEN", opened)
+        else:
+            gate.see_group(view.state, view.epoch)
+        if gate.group_open or view.reconcile_epoch is not None:
+            self._ensure_prober()
+
+    def _ensure_prober(self) -> None:
+        prober = self.prober
+        if prober is not None and prober.is_alive():
+            return
+        if self.member.stopping.is_set():
+            return
+        self.prober = Prober(
+            self.member, self.gate, one_shot=self.member.until_empty, clock=self.clock
+        )
+        self.prober.start()

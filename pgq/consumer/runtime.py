@@ -1,0 +1,140 @@
+"""One running member: its threads, how they are wired, and the fixed-order shutdown.
+
+    fetcher ──claims──▶ buffered-claim pool ──▶ workers (handler) ──outcomes──▶ acker
+    heartbeat: liveness, quorum open, group state ──▶ gate; starts the prober
+    maintenance: lease extension, sweep, frontier, statistics, pruning, retention,
+                 handler timeouts
+
+Data flows one way: the gate tells its listeners (fetcher, pool, heartbeat)
+when a breaker changes; workers take the gate and the acker directly; each
+role owns its connection. Shutdown runs in a fixed order under one deadline:
+stop claiming and dispatching, the fetcher releases what no worker started,
+running handlers finish, outcomes are flushed, a last maintenance pass runs,
+the member leaves the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from pgq.consumer.acker import Acker
+from pgq.consumer.fetcher import Fetcher
+from pgq.consumer.gate import Gate
+from pgq.consumer.heartbeat import Heartbeat
+from pgq.consumer.maintenance import Maintenance
+from pgq.consumer.member import Member
+from pgq.consumer.workers import Workers
+from pgq.errors import DatabaseUnavailable
+from pgq.records import RunSummary
+from pgq.store import run_once
+
+logger = logging.getLogger("pgq.consumer")
+
+
+class Runtime:
+    """The threads of one started member."""
+
+    def __init__(self, member: Member, gate: Gate, clock: Callable[[], float]) -> None:
+        s = member.settings
+        self.member = member
+        self.gate = gate
+        self.acker = Acker(member)
+        self.workers = Workers(member, gate, self.acker, clock)
+        self.fetcher = Fetcher(member, gate)
+        self.heartbeat = Heartbeat(member, gate, clock)
+        self.maintenance = Maintenance(member, clock)
+        self.maintenance.add(
+            "extend-leases", max(0.05, s.lease / 3), self.maintenance.extend_leases
+        )
+        self.maintenance.add("sweep", max(0.05, min(1.0, s.lease / 3)), self.maintenance.sweep)
+        self.maintenance.add("frontier", 1.0, self.maintenance.advance_frontier)
+        self.maintenance.add("statistics", 10.0, self.maintenance.refresh_statistics)
+        self.maintenance.add("prune", 60.0, self.maintenance.prune)
+        self.maintenance.add("retention", 60.0, self.maintenance.expire_messages)
+        self.maintenance.add(
+            "handler-timeouts", min(0.5, s.handler_timeout / 4), self.workers.check_timeouts
+        )
+        gate.on_change(self.fetcher.wake.set)
+        gate.on_change(member.pool.wake)  # a fetcher waiting for space re-checks the gate
+        gate.on_change(self.heartbeat.poke)
+        self.clean = True
+        """False after a shutdown that left handlers running or outcomes unwritten."""
+
+    def start(self) -> None:
+        self.acker.start()
+        self.workers.start()
+        self.heartbeat.start()
+        self.maintenance.start()
+        self.fetcher.start()
+
+    def abort(self) -> None:
+        """Second signal: stop dispatching, let the fetcher release what is buffered,
+        and make every database retry give up."""
+        m = self.member
+        m.request_stop("signal")
+        m.pool.shut()
+        m.halt.set()
+
+    def shutdown(self, grace: float) -> int:
+        """Stop in the fixed order under one deadline; returns the rows waiting for a retry."""
+        m = self.member
+        deadline = time.monotonic() + grace
+        m.request_stop("signal")
+        m.pool.shut()  # no worker starts another row; the fetcher releases them
+        self.fetcher.join(max(0.0, deadline - time.monotonic()))
+        overran = self.workers.join(deadline)
+        self.acker.stop()
+        self.acker.join(max(1.0, deadline - time.monotonic()))
+        m.halt.set()
+        self.acker.join(5.0)
+        self.maintenance.stop()
+        self.maintenance.join(5.0)
+        self.heartbeat.stop()
+        self.heartbeat.join(5.0)
+        prober = self.heartbeat.prober
+        if prober is not None:
+            prober.join(max(1.0, deadline - time.monotonic()))
+        for name, thread in (("fetcher", self.fetcher), ("acker", self.acker)):
+            if thread.is_alive():
+                logger.warning("thread overran shutdown thread=%s", name)
+        if overran:
+            logger.warning(
+                "handlers still running at the end of the grace period count=%d", len(overran)
+            )
+        self.clean = (
+            not overran
+            and self.acker.unwritten == 0
+            and not self.acker.is_alive()
+            and not m.crashed
+        )
+        return self._final_pass()
+
+    def _final_pass(self) -> int:
+        """Advance the frontier, leave the group; return rows waiting for a retry."""
+        m = self.member
+        store, ttl = m.store, m.settings.breaker_member_ttl
+        try:
+            run_once(m.engine, store.advance_frontier)
+            run_once(m.engine, store.leave)
+            return run_once(m.engine, store.drain_state, ttl).waiting_retry
+        except DatabaseUnavailable as exc:
+            logger.warning("final maintenance pass failed error=%s", exc)
+            return 0
+
+    def summary(self, waiting: int) -> RunSummary:
+        """The running counts as a `RunSummary`."""
+        m = self.member
+        with m.lock:
+            t = m.tally
+            return RunSummary(
+                handled=t.handled,
+                done=t.done,
+                retried=t.retried,
+                dead=t.dead,
+                released=t.released,
+                reclaimed=t.reclaimed,
+                waiting_retry=waiting,
+                stop_reason=m.stop_reason or "signal",
+            )

@@ -1,0 +1,29 @@
+"""What names pgq accepts: topics, groups and members (DESIGN §7)."""
+
+from __future__ import annotations
+
+import re
+
+from pgq.errors import InvalidName, UsageError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+"""Topic and group names."""
+
+MEMBER_NAME_MAX = 200
+
+
+def check_name(kind: str, name: object) -> str:
+    """Return `name` if it is a valid topic or group name, else raise `InvalidName`."""
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise InvalidName(
+            f"invalid {kind} name {name!r}: 1-63 characters of letters, digits, '.', '_' or '-',"
+            " starting with a letter or digit"
+        )
+    return name
+
+
+def check_member_name(name: str) -> str:
+    """Return `name` if it is a valid member name, else raise `UsageError`."""
+    if not name or len(name) > MEMBER_NAME_MAX:
+        raise UsageError(f"invalid member name: 1-{MEMBER_NAME_MAX} characters")
+    return name

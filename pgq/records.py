@@ -1,0 +1,132 @@
+"""The records every layer passes around: frozen values at the bottom of pgq.
+
+`Message` and `RunSummary` are public (handlers and callers see them); the
+others travel between the store and the consumer's threads. This module
+imports nothing from pgq, so any layer may use it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any, Literal
+
+StopReason = Literal["empty", "max_messages", "max_runtime", "signal", "breaker_open"]
+"""Why a run ended. `signal`: asked to stop from outside (SIGTERM/SIGINT, `stop()`)."""
+
+OutcomeKind = Literal["done", "retry", "dead", "snooze"]
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One message as a handler receives it. `attempt` is 1-based."""
+
+    id: int
+    topic: str
+    group: str
+    key: str | None
+    payload: Any
+    headers: dict[str, Any] | None
+    attempt: int
+    created_at: dt.datetime
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """What one `Consumer.run()` did.
+
+    `handled` counts finished attempts; `done`, `retried` and `dead` split them
+    by outcome (a snooze is in `retried`); `released` counts rows handed back
+    unstarted, `reclaimed` rows this member took back from expired leases, and
+    `waiting_retry` the group's rows waiting for a later retry when the run ended.
+    """
+
+    handled: int
+    done: int
+    retried: int
+    dead: int
+    released: int
+    reclaimed: int
+    waiting_retry: int
+    stop_reason: StopReason
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What fences a held row: the message and this claim's unique token."""
+
+    id: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A row this member holds a lease on: the message and its fencing token."""
+
+    message: Message
+    seq: int
+    attempts: int
+    """Finished attempts before this claim."""
+    epoch: int = 0
+    """The group breaker epoch the attempt started under."""
+    probe: bool = False
+    """This row is a breaker probe."""
+
+    @property
+    def id(self) -> int:
+        return self.message.id
+
+    @property
+    def lease(self) -> Lease:
+        return Lease(self.message.id, self.seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What became of one attempt, waiting for the acker to write it."""
+
+    claimed: Claimed
+    kind: OutcomeKind
+    delay: float = 0.0
+    error_class: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupInfo:
+    """A consumer group as stored: its id, name, topic and topic id."""
+
+    id: int
+    name: str
+    topic: str
+    topic_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class DrainState:
+    """What stands between a member and an empty group."""
+
+    ready_now: int
+    waiting_retry: int
+    held: int
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerView:
+    """The group breaker as stored: state, epoch, whether a probe is due, and any
+    reconciliation still owed (`reconcile_epoch`, refunding from `reconcile_from`)."""
+
+    state: str
+    epoch: int
+    probe_due: bool
+    reconcile_epoch: int | None
+    reconcile_from: int | None
+    probe_failures: int
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """Rows one sweep took back from expired leases."""
+
+    reclaimed: int
+    dead: int

@@ -1,0 +1,73 @@
+"""The database boundary: the only package that imports psycopg or `pgq.sql`.
+
+- `engine`: where PostgreSQL comes from (`connect`) and the schema in use;
+- `errors`: driver errors become pgq errors, by SQLSTATE class;
+- `connections`: the role, lock and LISTEN connections and the retry policy;
+- `group`: the consumer's statements for one group (`GroupStore`);
+- `topics`: topics, groups and publishing;
+- `migrations`: the versioned schema;
+- `inspect`: the reads behind status, members, breaker, dead and check;
+- `admin`: audited requeue, and the demo's housekeeping.
+"""
+
+from __future__ import annotations
+
+from pgq.store.admin import RequeueResult, database_now, drop_schema, requeue
+from pgq.store.connections import (
+    Listener,
+    LockConnection,
+    LostLock,
+    RoleConnection,
+    probe_lock_key,
+    run_hot,
+    run_once,
+)
+from pgq.store.engine import (
+    DEFAULT_SCHEMA,
+    check_dsn,
+    connect,
+    conninfo_of,
+    first_line,
+    resolve_dsn,
+    resolve_schema,
+    schema_of,
+    with_connect_timeout,
+)
+from pgq.store.errors import translate, wrap_errors
+from pgq.store.group import GroupStore
+from pgq.store.migrations import LATEST, migrate
+from pgq.store.topics import create_topic, group_info, publish, publish_many, subscribe, to_json
+
+__all__ = [
+    "DEFAULT_SCHEMA",
+    "LATEST",
+    "GroupStore",
+    "Listener",
+    "LockConnection",
+    "LostLock",
+    "RequeueResult",
+    "RoleConnection",
+    "check_dsn",
+    "connect",
+    "conninfo_of",
+    "create_topic",
+    "database_now",
+    "drop_schema",
+    "first_line",
+    "group_info",
+    "migrate",
+    "probe_lock_key",
+    "publish",
+    "publish_many",
+    "requeue",
+    "resolve_dsn",
+    "resolve_schema",
+    "run_hot",
+    "run_once",
+    "schema_of",
+    "subscribe",
+    "to_json",
+    "translate",
+    "with_connect_timeout",
+    "wrap_errors",
+]

@@ -1,0 +1,254 @@
+"""The connections a member's roles own, and the one retry policy.
+
+- `RoleConnection`: one pooled connection per thread role (fetcher, acker,
+  heartbeat, maintenance, prober), each call one transaction, retried with
+  exponential backoff while the database is unavailable.
+- `LockConnection`: the prober's dedicated connection outside any pool that
+  holds the group's session-level probe lock.
+- `Listener`: the fetcher's LISTEN connection (autocommit, outside the pool).
+- `run_once`: one transaction on a pooled connection, for one-off calls.
+- `run_hot`: a hot-path statement compiled once and run on the driver's cursor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import psycopg
+from psycopg import sql as psql
+from sqlalchemy import Connection, Engine
+from sqlalchemy.sql import ClauseElement, Executable
+from tenacity import Retrying, retry_if_exception, wait_exponential
+
+from pgq.errors import BadDsn, DatabaseUnavailable
+from pgq.schema import SCHEMA_PLACEHOLDER
+from pgq.sql import breaker as breaker_sql
+from pgq.sql.locks import lock_key, try_session_lock, unlock_session
+from pgq.sql.publish import notify_channel
+from pgq.store.engine import connect, conninfo_of, schema_of
+from pgq.store.errors import wrap_errors
+
+logger = logging.getLogger("pgq.store")
+T = TypeVar("T")
+
+STOP_CHECK = 0.2
+"""Longest stretch an idle listener waits without looking at its stop event."""
+
+
+class RoleConnection:
+    """The one connection a consumer thread role owns.
+
+    `run(fn)` calls `fn(conn)` inside a transaction. When the database is
+    unreachable the connection is thrown away (the next call opens a new one)
+    and `DatabaseUnavailable` is raised; `retrying(fn)` retries that with
+    exponential backoff until it works or `stop` is set.
+    """
+
+    def __init__(self, engine: Engine, role: str, stop: threading.Event) -> None:
+        self.engine = engine
+        self.role = role
+        self.stop = stop
+        self._conn: Connection | None = None
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(conn, *args)` in one transaction on this role's connection."""
+        try:
+            with wrap_errors():
+                if self._conn is None:
+                    self._conn = self.engine.connect()
+                with self._conn.begin():
+                    return fn(self._conn, *args)
+        except DatabaseUnavailable:
+            self._discard()
+            raise
+
+    def retrying(self, fn: Callable[..., T], *args: Any) -> T:
+        """`run(fn, *args)`, retried with backoff while the database is unavailable.
+
+        Gives up (re-raising) once the role's stop event is set.
+        """
+        try:
+            return self.run(fn, *args)  # the common case, without tenacity's overhead
+        except DatabaseUnavailable as exc:
+            if self.stop.is_set() or isinstance(exc, BadDsn):
+                raise
+        gate = self.stop
+
+        def nap(seconds: float) -> None:
+            gate.wait(seconds)  # a stop ends the wait at once
+
+        retryer = Retrying(
+            # an address the server refuses (no such database, bad login) is not
+            # an outage: retrying would not help
+            retry=retry_if_exception(
+                lambda e: isinstance(e, DatabaseUnavailable) and not isinstance(e, BadDsn)
+            ),
+            wait=wait_exponential(multiplier=0.1, max=5.0),
+            stop=lambda state: gate.is_set(),
+            sleep=nap,
+            before_sleep=lambda state: logger.warning(
+                "database unavailable role=%s attempt=%d error=%s",
+                self.role,
+                state.attempt_number,
+                state.outcome.exception() if state.outcome else None,
+            ),
+            reraise=True,
+        )
+        return retryer(self.run, fn, *args)
+
+    def _discard(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        with contextlib.suppress(Exception):
+            conn.invalidate()
+        with contextlib.suppress(Exception):
+            conn.close()
+
+    def close(self) -> None:
+        """Return the connection (if any) to the pool."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+def run_once(engine: Engine, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(conn, *args)` in one transaction on a pooled connection."""
+    with wrap_errors(), engine.begin() as conn:
+        return fn(conn, *args)
+
+
+_compiled: dict[tuple[int, str], tuple[str, dict[str, Any]]] = {}
+
+
+def run_hot(conn: Connection, stmt: Executable, params: dict[str, Any]) -> list[Any]:
+    """Run a hot-path statement on the connection's psycopg cursor.
+
+    The Core statement is compiled once per schema (with the schema rendered
+    in), so each call skips SQLAlchemy's per-execution work; it still runs in
+    the SQLAlchemy connection's transaction. Returns the rows as tuples.
+    """
+    schema = schema_of(conn)
+    key = (id(stmt), schema)
+    hit = _compiled.get(key)
+    if hit is None:
+        compiled = cast(ClauseElement, stmt).compile(
+            dialect=conn.dialect,
+            schema_translate_map={SCHEMA_PLACEHOLDER: schema},
+            render_schema_translate=True,
+        )
+        hit = _compiled[key] = (compiled.string, dict(compiled.params))
+    sql, defaults = hit
+    driver = conn.connection.driver_connection
+    assert driver is not None
+    with driver.cursor() as cur:
+        # prepared after a few calls (psycopg's default): planning the claim anew
+        # each time costs ~1 ms of server CPU per batch. The plan is only as good
+        # as the table's statistics, which the maintenance thread keeps fresh.
+        cur.execute(sql, {**defaults, **params})
+        return cur.fetchall() if cur.description else []
+
+
+def probe_lock_key(schema: str, group: str) -> int:
+    """The advisory lock key that elects the prober of `group` in `schema`."""
+    return lock_key(schema, "probe", group)
+
+
+class LostLock(Exception):
+    """The lock connection failed or no longer holds the probe lock."""
+
+
+class LockConnection:
+    """The prober's dedicated connection (autocommit, no pool) that holds the lock."""
+
+    def __init__(self, engine: Engine, group: str) -> None:
+        self.engine = connect(
+            conninfo_of(engine), schema=schema_of(engine), pool_size=None
+        ).execution_options(isolation_level="AUTOCOMMIT")
+        self.key = probe_lock_key(schema_of(engine), group)
+        self.conn: Connection | None = None
+
+    def acquire(self) -> bool:
+        """Try to take the lock; False if another session holds it."""
+        with wrap_errors():
+            if self.conn is None:
+                self.conn = self.engine.connect()
+            return bool(self.conn.execute(try_session_lock(self.key)).scalar())
+
+    def check(self) -> None:
+        """Raise `LostLock` unless the connection answers and pg_locks shows the lock."""
+        try:
+            with wrap_errors():
+                assert self.conn is not None
+                held = self.conn.execute(breaker_sql.lock_held()).scalar()
+        except Exception as exc:
+            raise LostLock(str(exc)) from exc
+        if not held:
+            raise LostLock("the probe lock is no longer held")
+
+    def release(self) -> None:
+        """Unlock and close (closing alone would free the lock too)."""
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.execute(unlock_session(self.key))
+            with contextlib.suppress(Exception):
+                conn.close()
+        self.engine.dispose()
+
+
+class Listener:
+    """A LISTEN connection for the schema's publish channel (autocommit, outside the pool)."""
+
+    def __init__(self, engine: Engine, topic: str) -> None:
+        self.conninfo = conninfo_of(engine)
+        self.channel = notify_channel(schema_of(engine))
+        self.topic = topic
+        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+
+    def _connect(self) -> psycopg.Connection[tuple[object, ...]] | None:
+        if self._conn is None:
+            try:
+                conn = psycopg.connect(self.conninfo, autocommit=True, connect_timeout=5)
+                conn.execute(psql.SQL("LISTEN {}").format(psql.Identifier(self.channel)))
+                self._conn = conn
+            except psycopg.Error as exc:
+                logger.warning("listen unavailable, polling instead error=%s", exc)
+        return self._conn
+
+    def wait(self, timeout: float, stop: threading.Event) -> bool:
+        """Wait up to `timeout` (or until `stop`) for a publish to this topic.
+
+        True if one came, or if LISTEN only starts now: a publish committed
+        before it sent us nothing, so the caller must look again first.
+        """
+        if self._conn is None:
+            if self._connect() is None:
+                stop.wait(timeout)
+                return False
+            return True
+        conn = self._conn
+        deadline = time.monotonic() + timeout
+        try:
+            while not stop.is_set():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                for note in conn.notifies(timeout=min(left, STOP_CHECK)):
+                    if note.payload == self.topic:
+                        return True
+        except psycopg.Error:
+            self.close()
+        return False
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()

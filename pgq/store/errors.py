@@ -1,0 +1,113 @@
+"""Driver errors become pgq's own exceptions here, by SQLSTATE class.
+
+Everything that talks to PostgreSQL runs inside `wrap_errors()`, so the
+consumer's threads, the breaker logic and the CLI never see a psycopg or
+SQLAlchemy exception type:
+
+| SQLSTATE class                          | pgq error            |
+| --------------------------------------- | -------------------- |
+| 08 connection, 57P01-57P05, 53 resources | `DatabaseUnavailable` |
+| 28 authorization, 3D000 no such database | `BadDsn`              |
+| 42501 insufficient privilege             | `PermissionDenied`    |
+| 42P01 undefined table, 3F000 no schema   | `SchemaMissing`       |
+| 22 data exception                        | `InvalidData`         |
+| 40 serialization failure, deadlock       | `TransactionConflict` |
+| 57014 query cancelled (statement timeout)| `StatementTimeout`    |
+| anything else the driver raises          | `DatabaseError`       |
+
+A connection that fails before the server answers carries no SQLSTATE; it
+is an outage (`DatabaseUnavailable`) unless the server's message says the
+login or the database was refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import psycopg
+from sqlalchemy import exc as sa_exc
+
+from pgq.errors import (
+    BadDsn,
+    DatabaseError,
+    DatabaseUnavailable,
+    InvalidData,
+    PermissionDenied,
+    PgqError,
+    SchemaMissing,
+    StatementTimeout,
+    TransactionConflict,
+)
+from pgq.store.engine import first_line
+
+# (SQLSTATE prefix, error, what the one line says), most specific first
+_BY_SQLSTATE: tuple[tuple[str, type[PgqError], str], ...] = (
+    ("57014", StatementTimeout, "statement cancelled"),
+    ("57P", DatabaseUnavailable, "cannot reach the database"),
+    ("08", DatabaseUnavailable, "cannot reach the database"),
+    ("53", DatabaseUnavailable, "cannot reach the database"),
+    ("28", BadDsn, "cannot use the database"),
+    ("3D", BadDsn, "cannot use the database"),
+    ("42501", PermissionDenied, "permission denied"),
+    ("42P01", SchemaMissing, ""),
+    ("3F000", SchemaMissing, ""),
+    ("22", InvalidData, "the database refused a value"),
+    ("40", TransactionConflict, "transaction conflict"),
+)
+
+# what libpq says when the server refused the login or the database at connect
+# time (these errors reach us without a SQLSTATE)
+_REFUSED_AT_CONNECT = (
+    "password authentication failed",
+    "no password supplied",
+    "authentication failed",
+    "does not exist",
+    "no pg_hba.conf entry",
+    "permission denied for database",
+)
+
+
+def driver_error(exc: BaseException) -> BaseException:
+    """The driver's exception behind a SQLAlchemy wrapper (or `exc` itself)."""
+    orig = getattr(exc, "orig", None)
+    return orig if isinstance(orig, BaseException) else exc
+
+
+def sqlstate_of(exc: BaseException) -> str:
+    """The SQLSTATE of a driver exception, walking causes and SQLAlchemy wrappers."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        state = getattr(driver_error(current), "sqlstate", None)
+        if state:
+            return str(state)
+        current = current.__cause__ or current.__context__
+    return ""
+
+
+def translate(exc: BaseException) -> PgqError:
+    """The pgq exception for a driver exception."""
+    err = driver_error(exc)
+    sqlstate = sqlstate_of(exc)
+    for prefix, kind, what in _BY_SQLSTATE:
+        if sqlstate.startswith(prefix):
+            return kind(f"{what}: {first_line(err)}" if what else None)
+    if isinstance(err, psycopg.OperationalError | psycopg.InterfaceError) or isinstance(
+        exc, sa_exc.DisconnectionError | sa_exc.TimeoutError
+    ):
+        text = first_line(err)
+        if not sqlstate and any(words in text for words in _REFUSED_AT_CONNECT):
+            return BadDsn(f"cannot use the database: {text}")
+        return DatabaseUnavailable(f"cannot reach the database: {text}")
+    return DatabaseError(f"database error: {first_line(err)}")
+
+
+@contextlib.contextmanager
+def wrap_errors() -> Iterator[None]:
+    """Re-raise any driver error as the pgq error `translate` maps it to."""
+    try:
+        yield
+    except (sa_exc.DBAPIError, sa_exc.DisconnectionError, sa_exc.TimeoutError, psycopg.Error) as e:
+        raise translate(e) from e

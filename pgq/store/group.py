@@ -1,0 +1,342 @@
+"""`GroupStore`: the consumer's statements for one group and one member.
+
+Each method takes the connection of the role that calls it (the caller owns
+the transaction) and returns records from `pgq.records`. Rows are mapped by
+name from the same column list the statement's `RETURNING` is built from.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import socket
+from collections.abc import Iterable
+from decimal import Decimal
+from typing import Any
+
+from sqlalchemy import Connection
+
+from pgq.records import BreakerView, Claimed, DrainState, Lease, Message, Outcome, Sweep
+from pgq.sql import breaker as breaker_sql
+from pgq.sql import claim as claim_sql
+from pgq.sql import frontier as frontier_sql
+from pgq.sql import members as member_sql
+from pgq.sql import outcomes as outcome_sql
+from pgq.sql import stats as stats_sql
+from pgq.sql.locks import lock_key, try_xact_lock
+from pgq.store.connections import run_hot
+from pgq.store.engine import schema_of
+
+logger = logging.getLogger("pgq.store")
+
+ERROR_TEXT_MAX = 2000
+
+STATS_MIN_CHANGES = 1000
+STATS_CHANGED_SHARE = 0.2
+STATS_MIN_AGE = 30.0
+"""ANALYZE delivery when at least 1,000 rows and 20 % of it changed since the last
+analyze, and that one is at least 30 s old (see `pgq.sql.stats`)."""
+
+EXPIRE_BATCH = 5000
+"""Messages one retention statement deletes at most (one short transaction each)."""
+
+_COL = {name: i for i, name in enumerate(claim_sql.CLAIMED)}
+_ID, _SEQ, _ATTEMPTS = _COL["message_id"], _COL["lease_seq"], _COL["attempts"]
+_KEY, _PAYLOAD, _HEADERS, _CREATED = (
+    _COL["key"],
+    _COL["payload"],
+    _COL["headers"],
+    _COL["created_at"],
+)
+
+
+def int_array(values: Iterable[int]) -> str:
+    """An integer array as PostgreSQL's text literal: one string for the driver to
+    send, instead of a list it would adapt element by element."""
+    return "{" + ",".join(map(str, values)) + "}"
+
+
+def _lease_params(leases: Iterable[Lease]) -> dict[str, str]:
+    leases = list(leases)
+    return {
+        "ids": int_array(lease.id for lease in leases),
+        "seqs": int_array(lease.seq for lease in leases),
+    }
+
+
+def _leases(rows: Iterable[Any]) -> set[Lease]:
+    return {Lease(int(r[0]), int(r[1])) for r in rows}
+
+
+class GroupStore:
+    """The consumer's statements for one group and member, run on a role's connection."""
+
+    def __init__(
+        self, gid: int, group: str, topic: str, member: str, lease: float, max_reclaims: int
+    ) -> None:
+        self.gid = gid
+        self.group = group
+        self.topic = topic
+        self.member = member
+        self.lease = dt.timedelta(seconds=lease)
+        self.max_reclaims = max_reclaims
+
+    # -- claim path ---------------------------------------------------------
+
+    def claim(self, conn: Connection, limit: int, epoch: int, probe: bool = False) -> list[Claimed]:
+        """Lease up to `limit` ready rows to this member (rounded down to a power of two
+        below 64, so only a few claim statements are ever prepared)."""
+        if limit < 1:
+            return []
+        if limit < 64:
+            limit = 1 << (limit.bit_length() - 1)
+        params = {"gid": self.gid, "member": self.member, "lease": self.lease}
+        return self._claimed(run_hot(conn, claim_sql.claim(limit), params), epoch, probe)
+
+    def claim_probe(self, conn: Connection, epoch: int) -> Claimed | None:
+        """Lease the group probe: a ready row (due soonest), else the oldest dead systemic row."""
+        params = {"gid": self.gid, "member": self.member, "lease": self.lease}
+        rows = conn.execute(breaker_sql.claim_probe_ready(), params).all()
+        if not rows:
+            rows = conn.execute(breaker_sql.claim_probe_dead(), params).all()
+        claimed = self._claimed(rows, epoch, probe=True)
+        return claimed[0] if claimed else None
+
+    def probe_done(self, conn: Connection, row: Claimed) -> bool:
+        """Write a successful group probe (refunding its systemic charges)."""
+        params = {"gid": self.gid, "id": row.id, "seq": row.seq, "member": self.member}
+        return conn.execute(breaker_sql.probe_done(), params).one_or_none() is not None
+
+    def _claimed(self, rows: Iterable[Any], epoch: int, probe: bool = False) -> list[Claimed]:
+        group, topic, loads = self.group, self.topic, json.loads
+        return [
+            Claimed(
+                Message(
+                    r[_ID],
+                    topic,
+                    group,
+                    r[_KEY],
+                    loads(r[_PAYLOAD]),
+                    r[_HEADERS] and loads(r[_HEADERS]),
+                    r[_ATTEMPTS] + 1,
+                    r[_CREATED],
+                ),
+                r[_SEQ],
+                r[_ATTEMPTS],
+                epoch,
+                probe,
+            )
+            for r in rows
+        ]
+
+    def extend(self, conn: Connection, leases: list[Lease]) -> set[Lease]:
+        """Extend the given leases; returns those still held."""
+        params = {"gid": self.gid, "member": self.member, "lease": self.lease}
+        rows = run_hot(conn, claim_sql.extend_leases(), {**params, **_lease_params(leases)})
+        return _leases(rows)
+
+    def release(self, conn: Connection, leases: list[Lease]) -> set[Lease]:
+        """Hand unstarted leased rows back to ready, uncharged; returns those released."""
+        if not leases:
+            return set()
+        params = {"gid": self.gid, "member": self.member, **_lease_params(leases)}
+        released = _leases(run_hot(conn, claim_sql.release(), params))
+        if released:
+            add = claim_sql.add_to_total("released_total")
+            conn.execute(add, {"gid": self.gid, "n": len(released)})
+        return released
+
+    def sweep(self, conn: Connection, limit: int = 1000) -> Sweep:
+        """Reclaim rows whose lease expired without an outcome."""
+        rows = conn.execute(
+            claim_sql.sweep_expired(),
+            {"gid": self.gid, "limit": limit, "max_reclaims": self.max_reclaims},
+        ).all()
+        if rows:
+            add = claim_sql.add_to_total("reclaimed_total")
+            conn.execute(add, {"gid": self.gid, "n": len(rows)})
+        return Sweep(len(rows), sum(1 for r in rows if r.state == "dead"))
+
+    # -- outcomes -----------------------------------------------------------
+
+    def record(self, conn: Connection, outcomes: list[Outcome]) -> set[Lease]:
+        """Write a batch of outcomes in this transaction; returns the leases applied."""
+        done = [o.claimed.lease for o in outcomes if o.kind == "done"]
+        failed = [o for o in outcomes if o.kind != "done"]
+        applied: set[Lease] = set()
+        if done:
+            params = {"gid": self.gid, "member": self.member, **_lease_params(done)}
+            applied |= _leases(run_hot(conn, outcome_sql.ack_done(), params))
+        if failed:
+            params = {
+                "gid": self.gid,
+                "member": self.member,
+                "ids": [o.claimed.id for o in failed],
+                "seqs": [o.claimed.seq for o in failed],
+                "states": ["dead" if o.kind == "dead" else "ready" for o in failed],
+                "charges": [0 if o.kind == "snooze" else 1 for o in failed],
+                "delays": [o.delay for o in failed],
+                "classes": [o.error_class for o in failed],
+                "errors": [(o.error or "")[:ERROR_TEXT_MAX] for o in failed],
+                "epochs": [o.claimed.epoch for o in failed],
+            }
+            applied |= _leases(run_hot(conn, outcome_sql.record_failures(), params))
+        return applied
+
+    # -- group breaker --------------------------------------------------------
+
+    def breaker(self, conn: Connection) -> BreakerView:
+        """The group breaker row."""
+        r = conn.execute(breaker_sql.state(), {"gid": self.gid}).mappings().one()
+        return BreakerView(**r)
+
+    def open_on_quorum(
+        self, conn: Connection, epoch: int, *, ttl: float, min_members: int, quorum: float
+    ) -> int | None:
+        """Open the group if the quorum of live tripped members is there; the new epoch."""
+        return conn.execute(
+            breaker_sql.open_on_quorum(),
+            {
+                "gid": self.gid,
+                "at_epoch": epoch,
+                "member": self.member,
+                "ttl": dt.timedelta(seconds=ttl),
+                "min_members": min_members,
+                "quorum": Decimal(str(quorum)),
+            },
+        ).scalar()
+
+    def set_prober(self, conn: Connection) -> None:
+        conn.execute(breaker_sql.set_prober(), {"gid": self.gid, "member": self.member})
+
+    def probe_failed(self, conn: Connection, epoch: int, delay: float) -> int | None:
+        """Back the next probe off by `delay`; returns the consecutive failure count."""
+        params = {"gid": self.gid, "at_epoch": epoch, "delay": dt.timedelta(seconds=delay)}
+        return conn.execute(breaker_sql.probe_failed(), params).scalar()
+
+    def close(self, conn: Connection, epoch: int) -> int | None:
+        """Close the group if still OPEN at `epoch`; returns the close epoch."""
+        params = {"gid": self.gid, "at_epoch": epoch, "member": self.member}
+        return conn.execute(breaker_sql.close(), params).scalar()
+
+    def reconcile_batch(
+        self, conn: Connection, close_epoch: int, from_epoch: int, max_refunds: int, limit: int
+    ) -> int:
+        """Refund one batch of systemic rows for this close; returns how many."""
+        params = {
+            "gid": self.gid,
+            "close_epoch": close_epoch,
+            "from_epoch": from_epoch,
+            "max_refunds": max_refunds,
+            "limit": limit,
+        }
+        return int(conn.execute(breaker_sql.reconcile_batch(), params).scalar() or 0)
+
+    def reconcile_done(self, conn: Connection, close_epoch: int) -> None:
+        conn.execute(breaker_sql.reconcile_done(), {"gid": self.gid, "close_epoch": close_epoch})
+
+    # -- frontier and housekeeping -------------------------------------------
+
+    def advance_frontier(self, conn: Connection) -> int | None:
+        """Advance the committed frontier as far as it may go; returns rows pruned,
+        or None when another member holds the group row right now."""
+        frontier = conn.execute(frontier_sql.lock_group(), {"gid": self.gid}).one_or_none()
+        if frontier is None:
+            return None
+        here = {"gid": self.gid, "cx": frontier[0], "cid": frontier[1] or 0}
+        stop = conn.execute(frontier_sql.first_unresolved(), here).one_or_none()
+        if stop is None:
+            new = conn.execute(frontier_sql.last_committed(), here).one_or_none()
+        else:
+            new = conn.execute(
+                frontier_sql.last_resolved(), {**here, "ux": stop[0], "uid": stop[1]}
+            ).one_or_none()
+        if new is None:
+            return 0
+        return int(
+            conn.execute(frontier_sql.advance(), {**here, "nx": new[0], "nid": new[1]}).scalar()
+            or 0
+        )
+
+    def refresh_statistics(self, conn: Connection) -> bool:
+        """ANALYZE the delivery table when it changed a lot since its statistics were
+        taken (one member at a time); returns whether it did."""
+        schema = schema_of(conn)
+        row = conn.execute(
+            stats_sql.delivery_changes(), {"relation": f'"{schema}".delivery'}
+        ).one_or_none()
+        if row is None:
+            return False
+        changed, live, age = int(row[0] or 0), int(row[1] or 0), row[2]
+        if changed < STATS_MIN_CHANGES or changed < STATS_CHANGED_SHARE * live:
+            return False
+        if age is not None and float(age) < STATS_MIN_AGE:
+            return False
+        if not conn.execute(try_xact_lock(lock_key(schema, "analyze"))).scalar():
+            return False
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        driver.execute(stats_sql.analyze(schema))
+        logger.info("analyzed delivery schema=%s changed=%d live=%d", schema, changed, live)
+        return True
+
+    def prune_behind(self, conn: Connection) -> int:
+        """Prune done rows that finished behind the frontier after it passed them."""
+        return int(conn.execute(frontier_sql.prune_behind(), {"gid": self.gid}).scalar() or 0)
+
+    def expire_messages(
+        self, conn: Connection, topic_id: int, retention: float, limit: int = EXPIRE_BATCH
+    ) -> int:
+        """Delete one batch of messages past retention that no group still holds."""
+        rows = conn.execute(
+            frontier_sql.delete_expired_messages(),
+            {"topic_id": topic_id, "retention": dt.timedelta(seconds=retention), "limit": limit},
+        ).all()
+        return len(rows)
+
+    # -- membership -----------------------------------------------------------
+
+    def join(self, conn: Connection, ttl: float) -> bool:
+        """Register this member; False when a live member already has the name."""
+        row = conn.execute(
+            member_sql.join(),
+            {
+                "gid": self.gid,
+                "member": self.member,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "ttl": dt.timedelta(seconds=ttl),
+            },
+        ).one_or_none()
+        return row is not None
+
+    def heartbeat(self, conn: Connection, local: str, tripped_epoch: int | None) -> tuple[str, int]:
+        """Record liveness and local breaker state; returns (group state, epoch)."""
+        row = conn.execute(
+            member_sql.heartbeat(),
+            {
+                "gid": self.gid,
+                "member": self.member,
+                "local": local,
+                "tripped_epoch": tripped_epoch,
+            },
+        ).one()
+        return str(row.state), int(row.epoch)
+
+    def leave(self, conn: Connection) -> None:
+        """Mark this member as gone."""
+        conn.execute(member_sql.leave(), {"gid": self.gid, "member": self.member})
+
+    def drain_state(self, conn: Connection, ttl: float) -> DrainState:
+        """Rows ready now, waiting for retry, and leased by us or by silent members."""
+        row = (
+            conn.execute(
+                member_sql.drain_state(),
+                {"gid": self.gid, "member": self.member, "ttl": dt.timedelta(seconds=ttl)},
+            )
+            .mappings()
+            .one()
+        )
+        return DrainState(**row)

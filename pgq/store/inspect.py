@@ -1,0 +1,117 @@
+"""Reads behind `pgq status`, `members`, `breaker`, `dead` and `check`.
+
+Each function reads one consistent snapshot (one REPEATABLE READ
+transaction) and returns the rows as read; `pgq.monitor` shapes them into
+the contract's JSON objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Row
+
+from pgq.breaker import pending_scope
+from pgq.sql import admin as aq
+from pgq.sql import status as q
+from pgq.store.errors import wrap_errors
+from pgq.store.topics import group_info
+
+
+@contextlib.contextmanager
+def snapshot(engine: Engine) -> Iterator[Connection]:
+    """A read-only connection whose statements all see one snapshot."""
+    with (
+        wrap_errors(),
+        engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn,
+    ):
+        yield conn
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRows:
+    """One group as read for `status`: its row, counts, members and the xmin holder."""
+
+    row: Row[Any]
+    counts: Mapping[str, Any] | None
+    members: list[Row[Any]]
+    holder: Row[Any] | None
+
+
+def _holder(conn: Connection) -> Row[Any] | None:
+    return conn.execute(q.frontier_holder()).one_or_none()
+
+
+def group_status(engine: Engine, group: str, member_ttl: float) -> GroupRows:
+    """Everything `status` shows of `group`; raises `UnknownGroup`."""
+    with snapshot(engine) as conn:
+        gid = group_info(conn, group).id
+        row = conn.execute(q.group_row(), {"group_id": gid}).one()
+        counts = conn.execute(q.group_counts(), {"group_id": gid}).one()._asdict()
+        members = list(conn.execute(q.group_members(), {"group_id": gid, "ttl": member_ttl}))
+        return GroupRows(row, counts, members, _holder(conn))
+
+
+def all_group_status(engine: Engine, member_ttl: float) -> list[GroupRows]:
+    """`group_status` of every group, by name, from one snapshot."""
+    with snapshot(engine) as conn:
+        rows = conn.execute(q.all_group_rows()).all()
+        counts = {r.group_id: r._asdict() for r in conn.execute(q.all_group_counts())}
+        members: dict[int, list[Row[Any]]] = {}
+        for m in conn.execute(q.all_members(), {"ttl": member_ttl}):
+            members.setdefault(m.group_id, []).append(m)
+        holder = _holder(conn)
+    return [GroupRows(r, counts.get(r.id), members.get(r.id, []), holder) for r in rows]
+
+
+def member_rows(engine: Engine, group: str, ttl: float) -> list[Row[Any]]:
+    """The members of `group`, live and stale, by name; raises `UnknownGroup`."""
+    with snapshot(engine) as conn:
+        gid = group_info(conn, group).id
+        return list(conn.execute(q.group_members(), {"group_id": gid, "ttl": ttl}))
+
+
+def breaker_rows(engine: Engine, group: str, history_limit: int) -> tuple[Row[Any], list[Row[Any]]]:
+    """The group row and its newest `history_limit` breaker transitions."""
+    with snapshot(engine) as conn:
+        gid = group_info(conn, group).id
+        row = conn.execute(q.group_row(), {"group_id": gid}).one()
+        params = {"group_id": gid, "limit": max(history_limit, 0)}
+        return row, list(conn.execute(q.breaker_history(), params))
+
+
+def dead_rows(engine: Engine, group: str, limit: int) -> list[Row[Any]]:
+    """Up to `limit` dead rows of `group`, by message id; raises `UnknownGroup`."""
+    with snapshot(engine) as conn:
+        gid = group_info(conn, group).id
+        return list(conn.execute(q.dead_rows(), {"group_id": gid, "limit": max(limit, 0)}))
+
+
+def frontier_holder(engine: Engine) -> Row[Any] | None:
+    """The backend with the oldest open transaction id in the cluster, or None."""
+    with snapshot(engine) as conn:
+        return _holder(conn)
+
+
+def check_rows(engine: Engine, group: str, max_refunds: int) -> tuple[Row[Any], Row[Any]]:
+    """The group's breaker and counts, and its dead rows split by cause (`pgq check`).
+
+    Dead systemic rows that a coming or owed reconciliation will refund count
+    as `pending` (see `pgq.breaker.pending_scope`); both reads share one snapshot.
+    """
+    with snapshot(engine) as conn:
+        gid = group_info(conn, group).id
+        row = conn.execute(aq.check_group(), {"gid": gid}).one()
+        scope = pending_scope(
+            row.state, int(row.epoch), row.reconcile_epoch, row.reconcile_from_epoch
+        )
+        params = {
+            "gid": gid,
+            "max_refunds": max_refunds,
+            "pending_from": scope[0] if scope else None,
+            "pending_to": scope[1] if scope else None,
+        }
+        return row, conn.execute(aq.check_dead(), params).one()
