@@ -1,8 +1,10 @@
-"""Shared test helpers: bounded waiting, row states, and `pgq` subprocesses.
+"""Shared test helpers: bounded waiting, row states, a fake clock, and the `pgq` command
+(in-process through click's runner, or as a real subprocess).
 
 Importable from every test module (the tests directory is on `sys.path`
-through its conftest). Nothing here sleeps in hope: `wait_until` polls a
-condition up to a deadline and fails the test with a message when it passes.
+through its conftest); fixtures live in `tests/fixtures/`. Nothing here sleeps
+in hope: `wait_until` polls a condition up to a deadline and fails the test
+with a message when it passes.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Engine, select
 
 import pgq
 from pgq import schema as t
+
+if TYPE_CHECKING:
+    from click.testing import Result
 
 T = TypeVar("T")
 
@@ -116,7 +121,36 @@ def db_now(engine: Engine) -> Any:
         return conn.exec_driver_sql("SELECT now()").scalar_one()
 
 
-# -- `pgq` subprocesses ------------------------------------------------------------
+class FakeClock:
+    """A monotonic clock for injected-clock code that only moves when told to."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+# -- the `pgq` command ------------------------------------------------------------
+
+
+def invoke(
+    env: Mapping[str, str], *args: str, stdin: str | None = None, **extra_env: str
+) -> Result:
+    """Run `pgq *args` in-process on the database and schema of `env` (a `pgq_env`).
+
+    Only `PGQ_DSN` and `PGQ_SCHEMA` are taken from `env`; `extra_env` adds
+    variables and `stdin` is the command's input.
+    """
+    from click.testing import CliRunner
+
+    from pgq.cli import cli
+
+    only = {k: env[k] for k in ("PGQ_DSN", "PGQ_SCHEMA")}
+    return CliRunner().invoke(cli, list(args), env={**only, **extra_env}, input=stdin)
 
 
 def consumer_env(pgq_env: Mapping[str, str], out: Path, **extra: object) -> dict[str, str]:

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
+from helpers import PGQ, invoke
 from sqlalchemy import Engine, func, select
 
 from pgq import schema as t
 from pgq.cli import cli
-
-_SCRIPT = Path(sys.executable).with_name("pgq")
-PGQ = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "pgq.cli"]
 
 
 def run(
@@ -25,12 +21,6 @@ def run(
     return subprocess.run(
         [*PGQ, *args], env=env, input=stdin, capture_output=True, text=True, timeout=60
     )
-
-
-def invoke(env: dict[str, str], *args: str, stdin: str | None = None) -> Result:
-    """Run `pgq` in-process on this test's database and schema."""
-    only = {k: env[k] for k in ("PGQ_DSN", "PGQ_SCHEMA")}
-    return CliRunner().invoke(cli, list(args), env=only, input=stdin)
 
 
 def assert_usage_error(code: int, stderr: str, *, contains: str = "") -> None:
@@ -51,14 +41,6 @@ def messages(engine: Engine) -> int:
 def ok(result: Result) -> Result:
     assert result.exit_code == 0, (result.output, result.exception)
     return result
-
-
-@pytest.fixture
-def orders(engine: Engine, pgq_env: dict[str, str]) -> Engine:
-    """A migrated schema with topic `orders` and group `billing`."""
-    ok(invoke(pgq_env, "topic", "create", "orders"))
-    ok(invoke(pgq_env, "subscribe", "billing", "orders"))
-    return engine
 
 
 def test_init_by_two_processes_at_once(pgq_env):

@@ -41,14 +41,6 @@ FAST_ENV = {
 
 
 @pytest.fixture
-def orders(engine: Engine) -> Engine:
-    """A migrated schema with topic `orders` and group `billing` on it."""
-    pgq.create_topic(engine, "orders")
-    pgq.subscribe(engine, "billing", "orders")
-    return engine
-
-
-@pytest.fixture
 def procs() -> Iterator[list[subprocess.Popen[str]]]:
     """Processes a test started; any still running at the end are killed."""
     started: list[subprocess.Popen[str]] = []

@@ -8,30 +8,23 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
-from helpers import FAST, PGQ, db_now, rows
+from helpers import FAST, PGQ, db_now, invoke, rows
 from sqlalchemy import Engine, select, update
 
 import pgq
 from pgq import monitor
 from pgq import schema as t
-from pgq.admin import requeue
 from pgq.cli import cli
 from pgq.errors import UnknownGroup, UsageError
+from pgq.store import requeue
 
 GROUP = "billing"
 
 
 @pytest.fixture
-def billing(engine: Engine) -> Engine:
-    pgq.create_topic(engine, "orders")
-    pgq.subscribe(engine, GROUP, "orders")
-    return engine
-
-
-def invoke(env: dict[str, str], *args: str, **extra_env: str) -> Result:
-    """Run `pgq` in-process on this test's database and schema."""
-    only = {k: env[k] for k in ("PGQ_DSN", "PGQ_SCHEMA")}
-    return CliRunner().invoke(cli, list(args), env={**only, **extra_env})
+def billing(orders: Engine) -> Engine:
+    """The shared `orders` fixture (topic `orders`, group `billing`), named for the group."""
+    return orders
 
 
 def publish(engine: Engine, n: int) -> list[int]:

@@ -13,19 +13,10 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import pytest
 from helpers import FAST, pin_frontier, rows, states, wait_for_frontier, wait_until
 from sqlalchemy import Engine
 
 import pgq
-
-
-@pytest.fixture
-def orders(engine: Engine) -> Engine:
-    """A migrated schema with topic `orders` and group `billing` on it."""
-    pgq.create_topic(engine, "orders")
-    pgq.subscribe(engine, "billing", "orders")
-    return engine
 
 
 def consumer(engine: Engine, handler: Any, **settings: Any) -> pgq.Consumer:

@@ -28,10 +28,9 @@ def message_count(engine: Engine) -> int:
 
 
 @pytest.fixture
-def orders(engine: Engine) -> Engine:
-    pgq.create_topic(engine, "orders")
-    pgq.create_topic(engine, "orders")  # idempotent
-    return engine
+def orders_groups() -> tuple[str, ...]:
+    """Topic `orders` (the shared fixture) without groups: these tests subscribe their own."""
+    return ()
 
 
 def test_connection_publish_is_invisible_until_commit_and_gone_on_rollback(orders):

@@ -9,23 +9,11 @@ from collections.abc import Callable, Iterable
 from fractions import Fraction
 
 import pytest
+from helpers import FakeClock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pgq.breaker import LocalBreaker, group_should_open, probe_delay, trip_threshold
-
-
-class FakeClock:
-    """A clock that only moves when told to."""
-
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def cycle(values: Iterable[float]) -> Callable[[], float]:

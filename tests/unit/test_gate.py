@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import datetime as dt
 
+from helpers import FakeClock
+
 from pgq.consumer.gate import RAMP_SECONDS, Gate
-from pgq.consumer.model import Claimed, Outcome
-from pgq.message import Message
+from pgq.records import Claimed, Message, Outcome
 from pgq.settings import Settings
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_gate(**settings: object) -> tuple[Gate, Clock, list[int]]:
-    clock = Clock()
+def make_gate(**settings: object) -> tuple[Gate, FakeClock, list[int]]:
+    clock = FakeClock()
     changes: list[int] = []
     base = {"breaker_window": 4, "breaker_min_calls": 2, "breaker_open_for": 1.0}
-    gate = Gate(Settings(**{**base, **settings}), lambda: changes.append(1), clock)
+    gate = Gate(Settings(**{**base, **settings}), clock)
+    gate.on_change(lambda: changes.append(1))
     return gate, clock, changes
 
 
