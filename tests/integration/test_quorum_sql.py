@@ -1,0 +1,203 @@
+"""The quorum rule, checked against the statement that decides it in production.
+
+One table of cases. Each case must give the same answer from the pure rule
+(`pgq.breaker.trip_threshold` / `group_should_open`) and from the real SQL
+(`GroupStore.open_on_quorum`, i.e. `pgq.sql.breaker.open_on_quorum`) run on a
+fresh group whose `member` rows make up the case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+from sqlalchemy import Engine, func, insert, select, update
+
+import pgq
+from pgq import schema as t
+from pgq.breaker import group_should_open, trip_threshold
+from pgq.store import GroupStore, group_info
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    live: int
+    quorum: float
+    min_members: int
+    needed: int
+    """Tripped live members needed: max(min_members, ceil(quorum × live))."""
+    tripped: int
+    opens: bool
+
+
+# fmt: off
+CASES = [
+    #     id                     live  quorum  min_members  needed  tripped  opens
+    Case("0.1x30-at",              30,    0.1,           1,      3,       3,  True),
+    Case("0.1x30-below",           30,    0.1,           1,      3,       2,  False),
+    Case("0.1x30-all",             30,    0.1,           1,      3,      30,  True),
+    # 0.14 × 50 is 7.000000000000001 in floats: the threshold must still be 7, not 8
+    Case("0.14x50-at",             50,   0.14,           1,      7,       7,  True),
+    Case("0.14x50-below",          50,   0.14,           1,      7,       6,  False),
+    Case("0.3x10-at",              10,    0.3,           1,      3,       3,  True),
+    Case("0.3x10-below",           10,    0.3,           1,      3,       2,  False),
+    Case("0.5x3-at",                3,    0.5,           1,      2,       2,  True),
+    Case("0.5x3-below",             3,    0.5,           1,      2,       1,  False),
+    Case("0.5x4-at",                4,    0.5,           1,      2,       2,  True),
+    Case("0.5x5-at",                5,    0.5,           1,      3,       3,  True),
+    Case("0.5x5-below",             5,    0.5,           1,      3,       2,  False),
+    Case("0.33x10-at",             10,   0.33,           1,      4,       4,  True),
+    Case("0.33x10-below",          10,   0.33,           1,      4,       3,  False),
+    Case("1.0x4-at",                4,    1.0,           1,      4,       4,  True),
+    Case("1.0x4-below",             4,    1.0,           1,      4,       3,  False),
+    Case("1.0x1-alone",             1,    1.0,           1,      1,       1,  True),
+    # min_members above the quorum's count: min_members decides
+    Case("min3-0.5x4-at",           4,    0.5,           3,      3,       3,  True),
+    Case("min3-0.5x4-below",        4,    0.5,           3,      3,       2,  False),
+    Case("min5-0.1x30-at",         30,    0.1,           5,      5,       5,  True),
+    Case("min5-0.1x30-below",      30,    0.1,           5,      5,       4,  False),
+    # the defaults (quorum 0.5, min_members 2): a lone member never opens the group
+    Case("min2-0.5x1",              1,    0.5,           2,      2,       1,  False),
+    Case("min3-more-than-live",     2,    0.5,           3,      3,       2,  False),
+    # no tripped member never opens, even where the threshold is 0
+    Case("none-tripped",            5,    0.5,           1,      3,       0,  False),
+    Case("none-tripped-q0-min0",    5,    0.0,           0,      0,       0,  False),
+    Case("one-tripped-q0-min0",     5,    0.0,           0,      0,       1,  True),
+    Case("no-live-members",         0,    0.5,           1,      1,       0,  False),
+]
+# fmt: on
+
+TTL = 30.0
+"""Member TTL passed to the statement (seconds)."""
+EPOCH = 2
+"""The breaker's epoch when the case is decided (trips under older epochs must not count)."""
+DECIDER = "decider"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_the_pure_rule(case: Case):
+    assert trip_threshold(case.live, case.quorum, case.min_members) == case.needed
+    assert group_should_open(case.tripped, case.live, case.quorum, case.min_members) is case.opens
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_the_production_statement(engine: Engine, case: Case):
+    gid = fresh_group(engine)
+    with members(engine, gid, live=case.live, tripped=case.tripped):
+        with engine.begin() as conn:
+            opened = decider(gid).open_on_quorum(
+                conn, EPOCH, ttl=TTL, min_members=case.min_members, quorum=case.quorum
+            )
+    state, epoch, history = breaker_of(engine, gid)
+    if case.opens:
+        assert opened == EPOCH + 1
+        assert (state, epoch) == ("OPEN", EPOCH + 1)
+        assert history == [(EPOCH + 1, "OPEN", DECIDER)]
+    else:
+        assert opened is None
+        assert (state, epoch) == ("CLOSED", EPOCH)
+        assert history == []
+
+
+def test_a_decision_at_an_epoch_the_group_left_does_nothing(engine: Engine):
+    gid = fresh_group(engine)
+    with members(engine, gid, live=3, tripped=3), engine.begin() as conn:
+        opened = decider(gid).open_on_quorum(conn, EPOCH - 1, ttl=TTL, min_members=1, quorum=0.5)
+    assert opened is None
+    assert breaker_of(engine, gid) == ("CLOSED", EPOCH, [])
+
+
+# -- the group and its members -----------------------------------------------------------
+
+
+def fresh_group(engine: Engine) -> int:
+    """Group `g` on topic `t`, its breaker CLOSED at `EPOCH`; its id."""
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    gid = group_info(engine, "g").id
+    with engine.begin() as conn:
+        conn.execute(update(t.breaker).where(t.breaker.c.group_id == gid).values(epoch=EPOCH))
+    return gid
+
+
+def decider(gid: int) -> GroupStore:
+    """The store of the member that runs the statement (it is not one of the counted members)."""
+    return GroupStore(gid, "g", "t", DECIDER, 30.0, 3)
+
+
+@contextlib.contextmanager
+def members(engine: Engine, gid: int, *, live: int, tripped: int) -> Iterator[None]:
+    """While open: `live` live members of `gid`, `tripped` of them tripped at `EPOCH`.
+
+    The one place that knows what makes a member live and tripped (as
+    `pgq.sql.breaker._live_members` and `open_on_quorum` define them): live is
+    a heartbeat (`last_seen`) within the TTL by the database clock and not
+    left; tripped is `local_breaker = 'open'` with `tripped_epoch` = the
+    breaker's epoch. If liveness comes to need more (a session lock held by
+    the member, say), hold it here for the duration of the block.
+
+    Members that must not count are added too: live ones whose local breaker
+    tripped under an older epoch or is closed again (live, not tripped), and
+    tripped ones that stopped heartbeating or left (not live).
+    """
+    now = func.now()
+    stale = now - dt.timedelta(seconds=2 * TTL)
+    rows = [
+        member(gid, f"live-{i}", last_seen=now, tripped=i < tripped, old_trip=i % 2 == 1)
+        for i in range(live)
+    ]
+    rows += [
+        member(gid, "stale-1", last_seen=stale, tripped=True),
+        member(gid, "stale-2", last_seen=stale, tripped=True),
+        member(gid, "left", last_seen=now, tripped=True, left_at=now),
+    ]
+    with engine.begin() as conn:
+        conn.execute(insert(t.member).values(rows))
+    yield
+
+
+def member(
+    gid: int,
+    name: str,
+    *,
+    last_seen: object,
+    tripped: bool,
+    old_trip: bool = False,
+    left_at: object = None,
+) -> dict[str, object]:
+    """A `member` row; untripped members alternate between closed and tripped-long-ago."""
+    if tripped:
+        local, epoch = "open", EPOCH
+    elif old_trip:
+        local, epoch = "open", EPOCH - 1
+    else:
+        local, epoch = "closed", None
+    return {
+        "group_id": gid,
+        "name": name,
+        "host": "test",
+        "pid": 1,
+        "last_seen": last_seen,
+        "local_breaker": local,
+        "tripped_epoch": epoch,
+        "left_at": left_at,
+    }
+
+
+def breaker_of(engine: Engine, gid: int) -> tuple[str, int, list[tuple[int, str, str | None]]]:
+    """The breaker's state and epoch, and its history rows (epoch, state, by whom)."""
+    br, h = t.breaker, t.breaker_history
+    with engine.connect() as conn:
+        state, epoch = conn.execute(
+            select(br.c.state, br.c.epoch).where(br.c.group_id == gid)
+        ).one()
+        history = conn.execute(
+            select(h.c.epoch, h.c.state, h.c.by_member)
+            .where(h.c.group_id == gid)
+            .order_by(h.c.epoch)
+        ).all()
+    return state, epoch, [tuple(r) for r in history]
