@@ -20,7 +20,13 @@ def create_topic() -> Executable:
 
 @cache
 def lock_topic_for_subscribe() -> Executable:
-    """The id of topic `:name`, locked against concurrent publishers (FOR UPDATE)."""
+    """The id of topic `:name`, locked FOR UPDATE: waits for publishers (FOR KEY
+    SHARE) that hold it, and makes later ones wait for this transaction.
+
+    A statement of its own: the group insert and the backfill are later
+    statements, so their snapshots are taken once every publisher that held the
+    lock has finished.
+    """
     return select(t.topic.c.id).where(t.topic.c.name == bindparam("name")).with_for_update()
 
 
@@ -65,21 +71,39 @@ def backfill_group() -> Executable:
 
 
 @cache
+def lock_topic_for_publish() -> Executable:
+    """Lock topic `:topic` FOR KEY SHARE for this transaction: publishers share it, a
+    subscribe (FOR UPDATE) waits for it, and it waits for a subscribe holding it.
+
+    A statement of its own, sent before `publish_batch` (pipelined, in the same
+    round trip): a statement's snapshot is taken before it waits for a lock, so
+    "lock, then write rows for the groups I see" in one statement misses a
+    group whose subscribe committed during the wait. `publish_batch`, the next
+    statement, takes its snapshot once the lock is held.
+    """
+    tp = t.topic
+    return (
+        select(tp.c.id)
+        .where(tp.c.name == bindparam("topic"))
+        .with_for_update(read=True, key_share=True)
+    )
+
+
+@cache
 def publish_batch() -> Executable:
     """Publish the elements of `:payloads` (one JSON array, as text) to topic `:topic`
     in one statement (one parameter: PostgreSQL splits the array, not the driver).
 
-    Locks the topic row FOR KEY SHARE (so a concurrent subscribe waits for this
-    transaction), inserts the messages in input order, inserts one ready
-    delivery row per subscribed group, and notifies `:channel`. Returns one row:
-    the new ids in order (NULL when the topic does not exist).
+    Runs after `lock_topic_for_publish` in the same transaction (that lock is why
+    the groups it reads are all of them: a subscribe either committed before the
+    lock was granted, and this statement's later snapshot sees its group, or it
+    waits for this transaction and then backfills what it published). Inserts
+    the messages in input order, one ready delivery row per subscribed group,
+    and notifies `:channel`. Returns one row: the new ids in order (NULL when
+    the topic does not exist).
     """
     tp, m, g, d = t.topic, t.message, t.consumer_group, t.delivery
-    topic_row = (
-        select(tp.c.id)
-        .where(tp.c.name == bindparam("topic"))
-        .with_for_update(read=True, key_share=True)
-    ).cte("topic_row")
+    topic_row = select(tp.c.id).where(tp.c.name == bindparam("topic")).cte("topic_row")
     src = (
         func.jsonb_array_elements(cast(bindparam("payloads", type_=Text), JSONB))
         .table_valued("value", with_ordinality="ord")

@@ -6,13 +6,16 @@ import contextlib
 import datetime as dt
 import json
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
+import psycopg
 from sqlalchemy import Connection, Engine
+from sqlalchemy.sql import ClauseElement, Executable
 
 from pgq.errors import InvalidPayload, UnknownGroup, UnknownTopic, UsageError
 from pgq.names import check_name
 from pgq.records import GroupInfo
+from pgq.schema import SCHEMA_PLACEHOLDER
 from pgq.sql import publish as q
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
@@ -117,10 +120,51 @@ def publish_many(
         "channel": q.notify_channel(schema_of(target)),
     }
     with wrap_errors(), _transaction(target) as conn:
-        ids = conn.execute(q.publish_batch(), params).scalar()
+        ids = _locked_publish(conn, params)
     if ids is None:
         raise UnknownTopic(f"unknown topic {topic!r}")
     return list(ids)
+
+
+_compiled: dict[tuple[int, str], tuple[str, dict[str, Any]]] = {}
+
+
+def _driver_sql(conn: Connection, stmt: Executable) -> tuple[str, dict[str, Any]]:
+    """`stmt` compiled once per schema for the driver: its SQL and default parameters."""
+    schema = schema_of(conn)
+    key = (id(stmt), schema)
+    hit = _compiled.get(key)
+    if hit is None:
+        compiled = cast(ClauseElement, stmt).compile(
+            dialect=conn.dialect,
+            schema_translate_map={SCHEMA_PLACEHOLDER: schema},
+            render_schema_translate=True,
+        )
+        hit = _compiled[key] = (compiled.string, dict(compiled.params))
+    return hit
+
+
+def _locked_publish(conn: Connection, params: dict[str, Any]) -> list[int] | None:
+    """Lock the topic, then publish: two statements, sent together.
+
+    Two statements because the insert must take its snapshot after the topic
+    lock is granted (see `q.lock_topic_for_publish`); sent together because
+    psycopg's pipeline writes both before it reads a result, so publishing
+    costs the round trips it cost as one statement (measured with a protocol
+    trace: BEGIN, the pair, COMMIT). Runs in the connection's transaction.
+    """
+    lock_sql, lock_defaults = _driver_sql(conn, q.lock_topic_for_publish())
+    sql, defaults = _driver_sql(conn, q.publish_batch())
+    if not conn.in_transaction():
+        conn.begin()  # what SQLAlchemy's autobegin would do: the caller's commit() ends it
+    driver = conn.connection.driver_connection
+    assert driver is not None
+    with driver.cursor() as lock, driver.cursor() as cur:
+        with driver.pipeline() if psycopg.Pipeline.is_supported() else contextlib.nullcontext():
+            lock.execute(lock_sql, {**lock_defaults, "topic": params["topic"]})
+            cur.execute(sql, {**defaults, **params})
+        row = cur.fetchone()  # after the pipeline's sync: both results are in
+    return None if row is None or row[0] is None else list(row[0])
 
 
 def publish(

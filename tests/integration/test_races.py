@@ -1,0 +1,225 @@
+"""Races between publish, subscribe, retention and the frontier, with real threads.
+
+Every test runs real concurrent transactions on their own connections against
+the real server, bounded in time: threads are joined with timeouts, and where a
+test needs one transaction to wait behind another it polls `pg_stat_activity`
+for that backend's lock wait (or for the thread's end) instead of sleeping.
+The deterministic tests pin one interleaving; the stress tests repeat the race
+with several publishers until it would have shown (see each test).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from helpers import wait_until
+from sqlalchemy import Connection, Engine, func, select, text
+
+import pgq
+from pgq import schema as t
+
+JOIN = 30.0
+"""Seconds any thread of these tests may take to finish once asked."""
+
+
+class Session(threading.Thread):
+    """`fn(conn)` in one transaction on its own connection, in a thread.
+
+    The backend pid is known (`pid`) before `fn` starts, so the test can watch
+    that backend wait for a lock; `finish()` joins with a timeout and re-raises
+    what the thread raised.
+    """
+
+    def __init__(self, engine: Engine, fn: Callable[[Connection], Any], name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.engine, self.fn = engine, fn
+        self.pid: int | None = None
+        self.started_fn = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self.engine.connect() as conn:
+                self.pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+                conn.commit()
+                self.started_fn.set()
+                with conn.begin():
+                    self.result = self.fn(conn)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.started_fn.set()
+
+    def finish(self, timeout: float = JOIN) -> Any:
+        self.join(timeout)
+        assert not self.is_alive(), f"{self.name} still running after {timeout:g}s"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def start(engine: Engine, fn: Callable[[Connection], Any], name: str) -> Session:
+    session = Session(engine, fn, name)
+    session.start()
+    assert session.started_fn.wait(JOIN), f"{name} did not connect"
+    return session
+
+
+def waits_for_lock(engine: Engine, pid: int | None) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :pid"),
+                {"pid": pid},
+            ).scalar()
+        )
+
+
+def blocked_or_done(engine: Engine, session: Session) -> None:
+    """Wait until `session` waits for a lock or has finished (whichever the code does)."""
+    wait_until(
+        lambda: not session.is_alive() or waits_for_lock(engine, session.pid),
+        JOIN,
+        f"{session.name} to wait for a lock or finish",
+    )
+
+
+def blocked(engine: Engine, session: Session) -> None:
+    """Wait until `session` waits for a lock (failing if it finished instead)."""
+    blocked_or_done(engine, session)
+    assert session.is_alive(), f"{session.name} finished without waiting: {session.error!r}"
+
+
+# -- 1. publish racing subscribe(start="earliest") -----------------------------------
+
+
+def message_ids(engine: Engine, topic_id: int | None = None) -> set[int]:
+    m = t.message
+    query = select(m.c.id)
+    if topic_id is not None:
+        query = query.where(m.c.topic_id == topic_id)
+    with engine.connect() as conn:
+        return set(conn.scalars(query))
+
+
+def row_ids(engine: Engine, group: str) -> set[int]:
+    d, g = t.delivery, t.consumer_group
+    with engine.connect() as conn:
+        return set(
+            conn.scalars(
+                select(d.c.message_id).join(g, g.c.id == d.c.group_id).where(g.c.name == group)
+            )
+        )
+
+
+def subscribe(group: str, topic: str = "orders", barrier: threading.Barrier | None = None) -> Any:
+    def run(conn: Connection) -> None:
+        if barrier is not None:
+            barrier.wait()
+        pgq.subscribe(conn, group, topic, start="earliest")
+
+    return run
+
+
+def test_a_publish_waiting_behind_a_subscribe_writes_the_new_groups_rows(orders):
+    """The publish starts (and takes its first snapshot) while the subscribe holds the
+    topic lock; it must still write the new group's rows once the subscribe commits.
+    Failed on every run before the fix (the statement's snapshot predated the wait)."""
+    with orders.connect() as conn:
+        conn.begin()
+        pgq.subscribe(conn, "late", "orders", start="earliest")
+        publisher = start(orders, lambda c: pgq.publish(c, "orders", {"n": 1}), "publisher")
+        blocked(orders, publisher)
+        conn.commit()
+    mid = publisher.finish()
+    assert row_ids(orders, "late") == {mid}
+
+
+def test_subscribe_waits_for_a_long_publishing_transaction_and_backfills_all_of_it(orders):
+    """Publisher first: the subscribe waits for the open publishing transaction, which
+    keeps publishing meanwhile; the backfill has everything it committed."""
+    pgq.subscribe(orders, "billing", "orders")
+    with orders.connect() as conn:
+        conn.begin()
+        first = pgq.publish(conn, "orders", {"n": 1})
+        subscriber = start(orders, subscribe("late"), "subscriber")
+        blocked(orders, subscriber)
+        second = pgq.publish_many(conn, "orders", [{"n": 2}, {"n": 3}])
+        conn.commit()
+    subscriber.finish()
+    assert row_ids(orders, "late") == {first, *second} == row_ids(orders, "billing")
+
+
+def test_a_transaction_begun_before_a_subscribe_publishes_to_the_new_group(orders):
+    """The caller's transaction started (and read) before the subscribe committed; a
+    publish in it afterwards still writes the new group's row."""
+    with orders.connect() as conn:
+        conn.begin()
+        conn.execute(select(func.count()).select_from(t.message))
+        pgq.subscribe(orders, "late", "orders", start="earliest")
+        mid = pgq.publish(conn, "orders", {"n": 1})
+        conn.commit()
+    assert row_ids(orders, "late") == {mid}
+
+
+def test_publishing_on_a_connection_joins_its_transaction_begun_or_not(orders):
+    """The lock and the insert go to the driver as a pipeline: still the caller's
+    transaction, whether it began it or SQLAlchemy's autobegin would have."""
+    with orders.connect() as conn:
+        gone = pgq.publish(conn, "orders", {"n": 1})  # no begin(): autobegin
+        conn.rollback()
+        kept = pgq.publish(conn, "orders", {"n": 2})
+        conn.commit()
+        conn.begin()
+        also_gone = pgq.publish(conn, "orders", {"n": 3})
+        conn.rollback()
+    assert message_ids(orders) == {kept} == row_ids(orders, "billing")
+    assert gone < kept < also_gone
+
+
+def test_publishers_racing_subscribes_leave_no_group_without_a_message(orders):
+    """Three publishers (one publishing twice per transaction) while eight groups
+    subscribe with start="earliest", one after another: every group has a row for
+    every message. Before the fix every run failed, each new group missing the
+    messages in flight while it subscribed."""
+    stop = threading.Event()
+    published = [0, 0, 0]
+    errors: list[BaseException] = []
+
+    def publisher(n: int) -> None:
+        try:
+            while not stop.is_set():
+                if n == 2:
+                    with orders.begin() as conn:
+                        pgq.publish(conn, "orders", {"p": n})
+                        pgq.publish_many(conn, "orders", [{"p": n}, {"p": n}])
+                else:
+                    pgq.publish_many(orders, "orders", [{"p": n}] * (n + 1))
+                published[n] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    def progress() -> int:
+        return sum(published)
+
+    threads = [threading.Thread(target=publisher, args=(n,), name=f"pub-{n}") for n in range(3)]
+    for thread in threads:
+        thread.start()
+    groups = [f"g{i}" for i in range(8)]
+    try:
+        for group in groups:
+            seen = progress()
+            wait_until(lambda seen=seen: progress() >= seen + 20, JOIN, "publishers to go on")
+            start(orders, subscribe(group), f"subscribe-{group}").finish()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(JOIN)
+    assert not errors, errors
+    assert not any(thread.is_alive() for thread in threads)
+    every = message_ids(orders)
+    missing = {g: len(every - row_ids(orders, g)) for g in groups}
+    assert missing == dict.fromkeys(groups, 0)
