@@ -124,9 +124,32 @@ def prune_behind() -> Executable:
 
 
 @cache
+def lock_topic_for_retention() -> Executable:
+    """Lock topic `:topic_id` FOR KEY SHARE for this transaction, before retention's
+    delete (a statement of its own, so the delete's snapshot is taken once the lock
+    is held).
+
+    Publishers share the lock; a subscribe (FOR UPDATE) excludes it. So a
+    subscribe that got there first has committed its backfilled rows before the
+    delete looks for rows, and one that comes later waits for the delete to
+    commit and backfills only the messages that are left: no delivery row is
+    ever written for a message retention deleted.
+    """
+    tp = t.topic
+    return (
+        select(tp.c.id)
+        .where(tp.c.id == bindparam("topic_id"))
+        .with_for_update(read=True, key_share=True)
+    )
+
+
+@cache
 def delete_expired_messages() -> Executable:
     """Delete up to `:limit` messages of `:topic_id` older than `:retention` that no group
-    still has a delivery row for (done and pruned in every group)."""
+    still has a delivery row for (done and pruned in every group).
+
+    Runs after `lock_topic_for_retention` in the same transaction.
+    """
     still_held = exists().where(d.c.message_id == m.c.id, d.c.group_id == g.c.id)
     held_by_any = select(g.c.id).where(g.c.topic_id == bindparam("topic_id"), still_held).exists()
     victims = (

@@ -20,12 +20,12 @@ def create_topic() -> Executable:
 
 @cache
 def lock_topic_for_subscribe() -> Executable:
-    """The id of topic `:name`, locked FOR UPDATE: waits for publishers (FOR KEY
-    SHARE) that hold it, and makes later ones wait for this transaction.
+    """The id of topic `:name`, locked FOR UPDATE: waits for publishers and retention
+    (FOR KEY SHARE) that hold it, and makes later ones wait for this transaction.
 
     A statement of its own: the group insert and the backfill are later
-    statements, so their snapshots are taken once every publisher that held the
-    lock has finished.
+    statements, so their snapshots are taken once every publisher and retention
+    pass that held the lock has finished.
     """
     return select(t.topic.c.id).where(t.topic.c.name == bindparam("name")).with_for_update()
 

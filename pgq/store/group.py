@@ -289,7 +289,12 @@ class GroupStore:
     def expire_messages(
         self, conn: Connection, topic_id: int, retention: float, limit: int = EXPIRE_BATCH
     ) -> int:
-        """Delete one batch of messages past retention that no group still holds."""
+        """Delete one batch of messages past retention that no group still holds.
+
+        Takes the topic lock first, in its own statement, so that retention and a
+        subscribe's backfill never race (see `lock_topic_for_retention`).
+        """
+        conn.execute(frontier_sql.lock_topic_for_retention(), {"topic_id": topic_id})
         rows = conn.execute(
             frontier_sql.delete_expired_messages(),
             {"topic_id": topic_id, "retention": dt.timedelta(seconds=retention), "limit": limit},

@@ -14,11 +14,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 from helpers import wait_until
 from sqlalchemy import Connection, Engine, func, select, text
 
 import pgq
 from pgq import schema as t
+from pgq.store import GroupStore, group_info
 
 JOIN = 30.0
 """Seconds any thread of these tests may take to finish once asked."""
@@ -223,3 +225,127 @@ def test_publishers_racing_subscribes_leave_no_group_without_a_message(orders):
     every = message_ids(orders)
     missing = {g: len(every - row_ids(orders, g)) for g in groups}
     assert missing == dict.fromkeys(groups, 0)
+
+
+# -- 2. retention racing subscribe ----------------------------------------------------
+
+
+def orphans(engine: Engine) -> list[tuple[int, int, str]]:
+    """Delivery rows whose message is gone: (group id, message id, state)."""
+    d, m = t.delivery, t.message
+    with engine.connect() as conn:
+        return [
+            tuple(r)
+            for r in conn.execute(
+                select(d.c.group_id, d.c.message_id, d.c.state).where(
+                    ~select(m.c.id).where(m.c.id == d.c.message_id).exists()
+                )
+            )
+        ]
+
+
+def store_of(engine: Engine, group: str, member: str = "racer") -> GroupStore:
+    info = group_info(engine, group)
+    return GroupStore(info.id, group, info.topic, member, 30.0, 3)
+
+
+def topic_id_of(engine: Engine, topic: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(select(t.topic.c.id).where(t.topic.c.name == topic)) or 0)
+
+
+def retention(engine: Engine, topic: str, barrier: threading.Barrier | None = None) -> Any:
+    """Retention (retention 0) of `topic` until nothing is left to delete, as any
+    member runs it (the store's group does not matter to it)."""
+    topic_id = topic_id_of(engine, topic)
+    store = GroupStore(0, "-", topic, "retention", 30.0, 3)
+
+    def run(conn: Connection) -> int:
+        if barrier is not None:
+            barrier.wait()
+        total = 0
+        while deleted := store.expire_messages(conn, topic_id, 0.0):
+            total += deleted
+        return total
+
+    return run
+
+
+def claimable(engine: Engine, group: str) -> tuple[int, int]:
+    """(ready rows of `group`, rows one claim of up to 1,024 returns), rolled back."""
+    store = store_of(engine, group, "claimer")
+    d = t.delivery
+    with engine.connect() as conn:
+        conn.begin()
+        ready = conn.scalar(
+            select(func.count()).where(d.c.group_id == store.gid, d.c.state == "ready")
+        )
+        claimed = store.claim(conn, 1024, 0)
+        conn.rollback()
+    return int(ready or 0), len(claimed)
+
+
+@pytest.fixture
+def unheld(engine: Engine) -> tuple[Engine, list[int]]:
+    """Topic `orders` with 200 messages published before any group existed: no group
+    holds them, so retention (retention 0) may delete them all."""
+    pgq.create_topic(engine, "orders")
+    return engine, pgq.publish_many(engine, "orders", [{"n": i} for i in range(200)])
+
+
+def test_retention_waiting_behind_a_subscribe_spares_the_backfilled_messages(unheld):
+    """Subscribe first: its backfill wrote rows for the 200 messages but has not
+    committed when retention runs. Before the fix retention deleted all 200 (it did
+    not see the rows), leaving 200 ready rows without their message, which every
+    claim picked and dropped (`claimable` was (200, 0))."""
+    engine, ids = unheld
+    with engine.connect() as conn:
+        conn.begin()
+        pgq.subscribe(conn, "late", "orders", start="earliest")
+        expiry = start(engine, retention(engine, "orders"), "retention")
+        blocked_or_done(engine, expiry)
+        conn.commit()
+    expiry.finish()
+    assert orphans(engine) == []
+    assert row_ids(engine, "late") == set(ids) == message_ids(engine)
+    assert claimable(engine, "late") == (200, 200)
+
+
+def test_subscribe_waiting_behind_retention_backfills_only_what_survives(unheld):
+    """Retention first: it deleted the 200 messages but has not committed when the
+    subscribe runs. Before the fix the backfill still saw them and wrote 200 rows
+    without their message."""
+    engine, _ = unheld
+    with engine.connect() as conn:
+        conn.begin()
+        assert retention(engine, "orders")(conn) == 200
+        subscriber = start(engine, subscribe("late"), "subscriber")
+        blocked_or_done(engine, subscriber)
+        conn.commit()
+    subscriber.finish()
+    assert orphans(engine) == []
+    assert row_ids(engine, "late") == set() == message_ids(engine)
+    assert claimable(engine, "late") == (0, 0)
+
+
+def test_subscribes_racing_retention_never_leave_a_row_without_its_message(engine):
+    """Twenty rounds, each a fresh topic of 300 unheld messages whose subscribe and
+    retention start together: whatever the order, no row lacks its message and
+    every ready row is claimable. Before the fix most rounds left orphans."""
+    bad: dict[str, int] = {}
+    for n in range(20):
+        topic = f"r{n}"
+        pgq.create_topic(engine, topic)
+        pgq.publish_many(engine, topic, [{"n": i} for i in range(300)])
+        go = threading.Barrier(2, timeout=JOIN)
+        sessions = [
+            start(engine, retention(engine, topic, go), f"retention-{n}"),
+            start(engine, subscribe(f"g{n}", topic, go), f"subscribe-{n}"),
+        ]
+        for session in sessions:
+            session.finish()
+        ready, claimed = claimable(engine, f"g{n}")
+        if ready != claimed:
+            bad[topic] = ready - claimed
+    assert bad == {}
+    assert orphans(engine) == []
