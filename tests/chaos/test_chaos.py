@@ -1,0 +1,207 @@
+"""End to end: three real members, concurrent publishers, subscribers and retention,
+a `kill -9`, a SIGSTOP past the lease, and a cut of every connection; then a
+drain and the history checker: nothing lost, every duplicate explained.
+
+Each 12 s cycle kills one member (and restarts it under its name at once),
+pauses another past its lease, and cuts every connection through the proxy.
+`PGQ_CHAOS_SECONDS` sets how long the chaos lasts (default 12 s, one cycle; the
+whole test stays under a minute). Longer runs repeat the cycle, rotating the
+victims, e.g.
+`PGQ_CHAOS_SECONDS=600 pytest tests/chaos/test_chaos.py -s` for ten minutes.
+The checker's summary is printed in pytest's terminal summary ("chaos history"),
+and appended to the file `$PGQ_CHAOS_REPORT` when that is set.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import FAST
+from sqlalchemy import Engine
+
+import pgq
+
+from . import history
+from .drivers import Drivers
+from .handlers import AttemptLog
+from .procs import CHAOS_SETTINGS, Member, Members
+from .proxy import Proxy
+
+SECONDS = float(os.environ.get("PGQ_CHAOS_SECONDS") or 12)
+"""How long the chaos lasts."""
+
+CYCLE = min(12.0, SECONDS)
+"""One fault cycle: a kill, a pause past the lease, a cut."""
+
+LEASE = float(CHAOS_SETTINGS["PGQ_LEASE"])
+TTL = float(CHAOS_SETTINGS["PGQ_BREAKER_MEMBER_TTL"])
+TOPIC, GROUP = "chaos", "work"
+IN_PROCESS = {**FAST, "lease": LEASE, "shutdown_grace": 5.0}
+"""The in-process members' settings: the same short ones as the processes'."""
+NAMES = ("m1", "m2", "m3")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(SECONDS + 110)]
+
+
+def sleep_until(moment: float) -> None:
+    time.sleep(max(0.0, moment - time.monotonic()))
+
+
+class LateConsumers:
+    """An in-process member (through the proxy) for every group a driver subscribes,
+    so the late groups keep up and retention keeps deleting while the chaos runs."""
+
+    def __init__(self, engine: Engine, out: Path) -> None:
+        self.engine = engine
+        self.out = out
+        self.running: list[tuple[pgq.Consumer, AttemptLog]] = []
+
+    def __call__(self, group: str) -> None:
+        log = AttemptLog(self.out, f"in-{group}", sleep=0.002)
+        consumer = pgq.Consumer(
+            self.engine, group, log, workers=2, name=f"in-{group}", **IN_PROCESS
+        )
+        consumer.start()
+        self.running.append((consumer, log))
+
+    def stop(self) -> list[str]:
+        """Stop them all; what went wrong."""
+        problems = []
+        for consumer, _ in self.running:
+            consumer.request_stop()
+        for consumer, log in self.running:
+            try:
+                consumer.stop(timeout=10)
+            except Exception as exc:  # reported with the summary
+                problems.append(f"{log.member}: stop raised {type(exc).__name__}: {exc}")
+            if not consumer.clean:
+                problems.append(f"{log.member}: unclean stop")
+            log.close()
+        self.running = []
+        return problems
+
+
+@pytest.fixture
+def late(pg_dsn: str, schema: str, proxy: Proxy, out: Path) -> Iterator[LateConsumers]:
+    engine = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
+    consumers = LateConsumers(engine, out)
+    try:
+        yield consumers
+    finally:
+        consumers.stop()
+        engine.dispose()
+
+
+def chaos(engine: Engine, members: Members, proxy: Proxy, notes: list[str]) -> None:
+    """Kill, pause past the lease, cut: once per cycle until SECONDS have passed.
+
+    Cycle n kills `NAMES[n % 3]` with `kill -9` and restarts it under its name
+    right away (it must be taken over at once, not refused), pauses the next
+    member past its lease, and cuts every connection.
+    """
+    start = time.monotonic()
+    cycle = 0
+    while cycle == 0 or (cycle + 1) * CYCLE <= SECONDS:
+        t0 = start + cycle * CYCLE
+        by_name = {m.name: m for m in members.members if m.alive() and m.name in NAMES}
+        victim = by_name.get(NAMES[cycle % 3])
+        sleeper = by_name.get(NAMES[(cycle + 1) % 3])
+        sleep_until(t0 + 0.2 * CYCLE)
+        restarted = None
+        if victim is not None:
+            victim.kill9()
+            restarted = members.spawn(victim.name, GROUP, verbose=True)
+        sleep_until(t0 + 0.3 * CYCLE)
+        if sleeper is not None and sleeper.alive():
+            sleeper.pause()
+            time.sleep(LEASE + 1.5)  # past its lease, and past member_ttl
+            sleeper.resume()
+        if restarted is not None:
+            try:  # a name whose holder was killed is taken over at once
+                members.wait_live(engine, GROUP, [restarted.name], TTL, timeout=10)
+            except AssertionError as exc:
+                notes.append(f"PROBLEM cycle {cycle}: restarting {restarted.name}: {exc}")
+        sleep_until(t0 + 0.75 * CYCLE)
+        notes.append(f"cycle {cycle}: cut {proxy.cut()} connections")
+        alive = [m.name for m in members.members if m.alive() and m.name in NAMES]
+        try:  # the members reconnect and count as live again (their session lock too)
+            members.wait_live(engine, GROUP, alive, TTL, timeout=10)
+        except AssertionError as exc:
+            notes.append(f"PROBLEM cycle {cycle}: after the cut: {exc}")
+        cycle += 1
+
+
+def test_nothing_is_lost_through_kills_pauses_and_cuts(
+    engine: Engine,
+    pgq_env: dict[str, str],
+    proxy: Proxy,
+    members: Members,
+    late: LateConsumers,
+    out: Path,
+) -> None:
+    began = time.monotonic()
+    pgq.create_topic(engine, TOPIC)
+    pgq.subscribe(engine, GROUP, TOPIC)
+    for name in NAMES:
+        members.spawn(name, GROUP, verbose=True)
+    members.wait_live(engine, GROUP, NAMES, TTL)
+
+    notes: list[str] = []
+    with Drivers(engine, TOPIC, seconds=SECONDS) as drivers:
+        drivers.publish(threads=3, tx_threads=1, interval=0.05)
+        late_groups = 2 if SECONDS <= 60 else 4
+        drivers.subscribe(
+            count=late_groups, interval=SECONDS / (late_groups + 1), on_subscribe=late
+        )
+        drivers.retain(interval=0.5)
+        chaos(engine, members, proxy, notes)
+        record = drivers.wait(timeout=SECONDS + 30)
+    notes.append(f"drivers: {record.describe()}")
+    chaos_done = time.monotonic()
+
+    # stop the members gracefully (all at once), then drain every group with `--until-empty`
+    running = members.live()
+    for member in running:
+        member.term()
+    notes += [f"PROBLEM {p}" for p in late.stop()]
+    for member in running:
+        code = member.wait(20)
+        if code != 0:
+            notes.append(f"PROBLEM {member.name} exited {code} on SIGTERM:\n{member.stderr()}")
+    stopped = time.monotonic()
+    groups = [GROUP, *(s.group for s in record.subscriptions)]
+    drains: list[Member] = [
+        members.spawn(f"drain-{g}", g, until_empty=True, verbose=True) for g in groups
+    ]
+    for drain in drains:
+        code = drain.wait(45)
+        notes.append(f"{drain.name}: exit {code} {drain.summary()}")
+        if code != 0:
+            notes.append(f"PROBLEM {drain.name} exited {code}:\n{drain.stderr()}")
+
+    drained = time.monotonic()
+    summary = history.check(
+        engine,
+        TOPIC,
+        out,
+        record=record,
+        faults=history.fault_windows(members.events, proxy.faults, lease=LEASE),
+        lease=LEASE,
+        member_ttl=TTL,
+        cli_env={**pgq_env, **CHAOS_SETTINGS},
+    )
+    took = (
+        f"took {time.monotonic() - began:.1f}s: chaos until {chaos_done - began:.1f}s,"
+        f" stopped at {stopped - began:.1f}s, drained at {drained - began:.1f}s,"
+        f" checked at {time.monotonic() - began:.1f}s"
+    )
+    report = "\n".join([str(summary), *notes, took])
+    history.publish(report)
+    assert summary.lost == [], report
+    assert summary.ok, report
+    assert not [n for n in notes if n.startswith("PROBLEM")], report
+    assert summary.dead == [], report  # the handler never fails: nothing may die
