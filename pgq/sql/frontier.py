@@ -11,13 +11,26 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from sqlalchemy import BigInteger, Interval, bindparam, cast, exists, func, select, tuple_, update
+from sqlalchemy import (
+    BigInteger,
+    Interval,
+    any_,
+    bindparam,
+    cast,
+    func,
+    literal_column,
+    select,
+    tuple_,
+    update,
+)
 from sqlalchemy.sql import ColumnElement, Executable
 from sqlalchemy.sql.selectable import ScalarSelect
 
 from pgq import schema as t
 
 d, g, m = t.delivery, t.consumer_group, t.message
+
+MAX_ID = literal_column(str(2**63 - 1), BigInteger)
 
 
 def _xmin() -> ColumnElement[Any]:
@@ -134,10 +147,15 @@ def lock_topic_for_retention() -> Executable:
     delete looks for rows, and one that comes later waits for the delete to
     commit and backfills only the messages that are left: no delivery row is
     ever written for a message retention deleted.
+
+    Also turns JIT compilation off for the rest of the transaction: the delete's
+    estimated cost grows with the table (the planner cannot see that a batch
+    stops early), and past `jit_above_cost` compiling it took 0.2-0.4 s of a
+    statement that runs in about 1 ms when there is nothing to delete.
     """
     tp = t.topic
     return (
-        select(tp.c.id)
+        select(tp.c.id, func.set_config("jit", "off", True))
         .where(tp.c.id == bindparam("topic_id"))
         .with_for_update(read=True, key_share=True)
     )
@@ -145,21 +163,49 @@ def lock_topic_for_retention() -> Executable:
 
 @cache
 def delete_expired_messages() -> Executable:
-    """Delete up to `:limit` messages of `:topic_id` older than `:retention` that no group
-    still has a delivery row for (done and pruned in every group).
+    """Delete up to `:limit` messages of `:topic_id` older than `:retention` that no
+    group of the topic still has a delivery row for; returns their ids.
 
-    Runs after `lock_topic_for_retention` in the same transaction.
+    A group's row goes only when it is done and behind the group's frontier (the
+    frontier's pruning deletes it and counts it in `done_pruned`), so a message
+    without rows is one every group finished, or one that a group subscribed
+    later with `start="latest"` never had. Any other row (ready, leased, dead,
+    or done ahead of its frontier) keeps its message. Runs after
+    `lock_topic_for_retention` in the same transaction.
+
+    Shape, for a cost that follows the expired messages rather than the tables:
+    candidates are read in id order only below the topic's first message that
+    is still young (ids follow creation, so everything below it has expired; an
+    old message above it, from a long transaction, waits for a later pass);
+    each candidate costs one primary-key probe into `delivery` for the topic's
+    groups (a per-row subplan: as an anti-join the planner may hash the whole
+    delivery table, measured 0.3-0.5 s a batch at 220k rows against 0.05 s);
+    members that expire at once skip each other's candidates (SKIP LOCKED).
     """
-    still_held = exists().where(d.c.message_id == m.c.id, d.c.group_id == g.c.id)
-    held_by_any = select(g.c.id).where(g.c.topic_id == bindparam("topic_id"), still_held).exists()
-    victims = (
-        select(m.c.id)
-        .where(m.c.topic_id == bindparam("topic_id"))
-        .where(m.c.created_at < func.now() - bindparam("retention", type_=Interval))
-        .where(~held_by_any)
-        .order_by(m.c.id)
-        .limit(bindparam("limit"))
-        .with_for_update(skip_locked=True)  # members expiring at once split the work
+    cutoff = func.now() - bindparam("retention", type_=Interval)
+    young = m.alias("young")
+    first_young = (
+        select(young.c.id)
+        .where(young.c.topic_id == bindparam("topic_id"), young.c.created_at >= cutoff)
+        .order_by(young.c.id)
+        .limit(literal_column("1"))
         .scalar_subquery()
     )
-    return m.delete().where(m.c.id.in_(victims)).returning(m.c.id)
+    groups = select(g.c.id).where(g.c.topic_id == bindparam("topic_id")).scalar_subquery()
+    held = (
+        select(d.c.message_id)
+        .where(d.c.group_id == any_(func.array(groups)), d.c.message_id == m.c.id)
+        .correlate(m)
+        .exists()
+    )
+    victims = (
+        select(m.c.id)
+        .where(m.c.topic_id == bindparam("topic_id"), m.c.created_at < cutoff)
+        .where(m.c.id < func.coalesce(first_young, MAX_ID))
+        .where(~select(held).scalar_subquery())
+        .order_by(m.c.id)
+        .limit(bindparam("limit"))
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return m.delete().where(m.c.id == any_(func.array(victims))).returning(m.c.id)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from helpers import wait_until
-from sqlalchemy import Connection, Engine, func, select, text
+from sqlalchemy import Connection, Engine, func, select, text, update
 
 import pgq
 from pgq import schema as t
@@ -349,3 +349,52 @@ def test_subscribes_racing_retention_never_leave_a_row_without_its_message(engin
             bad[topic] = ready - claimed
     assert bad == {}
     assert orphans(engine) == []
+
+
+# -- 3. retention deletes what every group finished ------------------------------------
+
+
+def set_state(engine: Engine, group: str, ids: list[int], state: str) -> None:
+    d = t.delivery
+    gid = group_info(engine, group).id
+    with engine.begin() as conn:
+        conn.execute(
+            update(d)
+            .where(d.c.group_id == gid, d.c.message_id.in_(ids))
+            .values(state=state, error_class="permanent" if state == "dead" else None)
+        )
+
+
+def prune_to(engine: Engine, group: str, mid: int) -> int:
+    """Put `group`'s frontier right after message `mid` and prune behind it, as the
+    frontier's own pruning does (set directly: the real advance waits for the
+    cluster-wide xmin, which another session of a shared server may hold)."""
+    g, m = t.consumer_group, t.message
+    store = store_of(engine, group, "pruner")
+    with engine.begin() as conn:
+        xid = select(m.c.xid).where(m.c.id == mid).scalar_subquery()
+        conn.execute(
+            update(g).where(g.c.id == store.gid).values(committed_xid=xid, committed_id=mid)
+        )
+        return store.prune_behind(conn)
+
+
+def test_retention_deletes_what_every_group_finished_despite_dead_and_ready_rows(orders):
+    """A message goes when every group of its topic finished it and pruned its row,
+    whatever other rows the groups hold. Before the fix retention deleted nothing:
+    one dead or ready row anywhere in a group held back the whole topic."""
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(10)])
+    pgq.subscribe(orders, "audit", "orders", start="earliest")
+    pgq.subscribe(orders, "newcomer", "orders", start="latest")  # no rows: holds nothing
+    set_state(orders, "billing", ids[:8], "done")
+    set_state(orders, "billing", [ids[8]], "dead")  # resolved, but kept
+    assert prune_to(orders, "billing", ids[8]) == 8  # 8 (dead) and 9 (ready) stay
+    set_state(orders, "audit", [*ids[:6], ids[7]], "done")
+    assert prune_to(orders, "audit", ids[5]) == 6  # 7 is done but ahead of the frontier
+    store = store_of(orders, "billing")
+    with orders.begin() as conn:  # too young for a one-hour retention
+        assert store.expire_messages(conn, topic_id_of(orders, "orders"), 3600.0) == 0
+    with orders.begin() as conn:
+        assert retention(orders, "orders")(conn) == 6
+    assert message_ids(orders) == set(ids[6:])
+    assert orphans(orders) == []
