@@ -171,6 +171,7 @@ class Summary:
     topic: str
     published: int = 0
     groups: dict[str, GroupResult] = field(default_factory=dict)
+    retained: int = 0  # messages the retention driver deleted
     handled: int = 0  # ok lines, all groups
     distinct: int = 0  # (group, id) handled at least once
     duplicates: Counter[str] = field(default_factory=Counter)  # explanation -> count
@@ -199,7 +200,7 @@ class Summary:
             f" groups={len(self.groups)} deliveries_expected={self.expected}"
             f" handled={self.handled} distinct={self.distinct}"
             f" duplicates={sum(self.duplicates.values())} lost={len(self.lost)}"
-            f" dead={len(self.dead)} orphans={len(self.orphans)}"
+            f" dead={len(self.dead)} orphans={len(self.orphans)} retained={self.retained}"
             f" verdict={'OK' if self.ok else 'FAIL'}",
         ]
         for name, g in self.groups.items():
@@ -405,6 +406,13 @@ def check(
     summary = Summary(topic, published=len(pubs))
     if record is not None and record.errors:
         summary.problems.append(f"drivers failed: {record.errors}")
+    if record is not None and record.retention:
+        summary.retained = len(record.deleted())
+        if not summary.retained:
+            summary.notes.append(
+                f"{len(record.retention)} retention passes deleted nothing"
+                " (every group behind on every message the whole time, or retention blocked)"
+            )
 
     attempts, bad = read_attempts(out)
     if bad:
