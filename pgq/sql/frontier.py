@@ -2,8 +2,10 @@
 
 The frontier advances in (xid, id) commit order and only over transactions
 older than the current snapshot's xmin, so it never passes a message whose
-publishing transaction is still open. Each step reads only the rows it passes
-(plus one), so its cost follows the change, not the table.
+publishing transaction is still open. The advance is one statement, so the
+xmin, the resolved/unresolved test and the new frontier all come from one
+snapshot (`docs/decisions/0010-frontier-in-one-statement.md`); it reads only
+the rows it passes (plus one), so its cost follows the change, not the table.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Integer,
     Interval,
     any_,
     bindparam,
-    cast,
+    false,
     func,
     literal_column,
     select,
@@ -37,58 +40,100 @@ def _xmin() -> ColumnElement[Any]:
     return func.pg_snapshot_xmin(func.pg_current_snapshot())
 
 
-def _after_frontier() -> ColumnElement[bool]:
-    """(xid, message_id) beyond `:cx`/`:cid` (group `:gid`)."""
-    return tuple_(d.c.xid, d.c.message_id) > tuple_(
-        cast(bindparam("cx"), t.XID8()), bindparam("cid", type_=BigInteger)
-    )
+def _position() -> Any:
+    return tuple_(d.c.xid, d.c.message_id)
+
+
+def _unresolved() -> ColumnElement[bool]:
+    """Ready or leased, wrapped so that the planner does not estimate it.
+
+    Its statistics say almost no row is ready or leased, so for "the first
+    unresolved row in (xid, id) order" it read every row past the frontier and
+    sorted them (a bitmap scan: 200 ms at 300k rows, every second, also behind
+    one stuck message); with the estimate hidden it walks the frontier index in
+    order and stops at the first one (one row when the stuck message is first).
+    """
+    return func.coalesce(d.c.state.in_([t.READY, t.LEASED]), false())
+
+
+ZERO = literal_column("0", BigInteger)
+ONE = literal_column("1", Integer)
+"""LIMIT 1 written into the statement (a bound limit can turn a prepared
+statement's generic plan into a scan; see `pgq.sql.claim.claim`)."""
 
 
 @cache
-def lock_group() -> Executable:
-    """The frontier of group `:gid`, locked; nothing if another member is advancing it."""
-    return (
-        select(g.c.committed_xid, g.c.committed_id)
-        .where(g.c.id == bindparam("gid"))
+def without_jit() -> Executable:
+    """Turn JIT compilation off for the rest of the transaction.
+
+    `advance_frontier`'s bounds come from its own subqueries, so the planner
+    estimates its ranges blind and its cost grows with the group's rows: from
+    ~3.4M rows it passes `jit_above_cost`, and compiling added ~30 ms to an
+    advance that takes ~2-4 ms, every second, on every member.
+    """
+    return select(func.set_config("jit", "off", True))
+
+
+@cache
+def advance_frontier() -> Executable:
+    """Advance the frontier of `:gid` as far as it may go, in one statement; returns
+    one row: `held` (false when another member holds the group row right now: it
+    is advancing it) and `pruned`, the done rows passed and deleted.
+
+    From the frontier `here` (the group row, locked, SKIP LOCKED), among rows of
+    committed transactions (xid below the snapshot's xmin): `stop` is the first
+    ready or leased row; `target` the last row before `stop` (before xmin when
+    there is none). The frontier moves to `target`, and the done rows it passed
+    are deleted and counted into `done_pruned`.
+
+    One statement because every part must see one snapshot: with the test in one
+    statement and the move in the next, a publish committing in between was
+    below the second statement's xmin, unresolved, and passed (issue 9, defect
+    7). The group row is read with the lock, i.e. in its latest committed
+    version, which may be newer than the snapshot (another member's advance
+    that just committed); starting from it is safe, because that member only
+    passed rows resolved in its own snapshot, and this statement passes only
+    rows resolved and committed in its own. Run after `without_jit`.
+    """
+    gid = bindparam("gid", type_=Integer)
+    here = (
+        select(g.c.committed_xid.label("cx"), func.coalesce(g.c.committed_id, ZERO).label("cid"))
+        .where(g.c.id == gid)
         .with_for_update(skip_locked=True)
+        .cte("here")
     )
-
-
-@cache
-def first_unresolved() -> Executable:
-    """The first ready or leased row past the frontier, among committed transactions."""
-    return (
+    past = _position() > tuple_(
+        select(here.c.cx).scalar_subquery(), select(here.c.cid).scalar_subquery()
+    )
+    committed = d.c.xid < _xmin()
+    stop = (
         select(d.c.xid, d.c.message_id)
-        .where(d.c.group_id == bindparam("gid"), _after_frontier(), d.c.xid < _xmin())
-        .where(d.c.state.in_([t.READY, t.LEASED]))
+        .where(d.c.group_id == gid, past, committed, _unresolved())
         .order_by(d.c.xid, d.c.message_id)
-        .limit(1)
+        .limit(ONE)
+        .cte("stop")
     )
-
-
-@cache
-def last_resolved() -> Executable:
-    """The last row past the frontier and before `:ux`/`:uid`, among committed transactions."""
-    before = tuple_(d.c.xid, d.c.message_id) < tuple_(
-        cast(bindparam("ux"), t.XID8()), bindparam("uid", type_=BigInteger)
+    before_stop = _position() < tuple_(
+        func.coalesce(select(stop.c.xid).scalar_subquery(), _xmin()),
+        func.coalesce(select(stop.c.message_id).scalar_subquery(), ZERO),
     )
-    return (
+    target = (
         select(d.c.xid, d.c.message_id)
-        .where(d.c.group_id == bindparam("gid"), _after_frontier(), d.c.xid < _xmin(), before)
+        .where(d.c.group_id == gid, past, committed, before_stop)
         .order_by(d.c.xid.desc(), d.c.message_id.desc())
-        .limit(1)
+        .limit(ONE)
+        .cte("target")
     )
-
-
-@cache
-def last_committed() -> Executable:
-    """The last row past the frontier among committed transactions (no unresolved row)."""
-    return (
-        select(d.c.xid, d.c.message_id)
-        .where(d.c.group_id == bindparam("gid"), _after_frontier(), d.c.xid < _xmin())
-        .order_by(d.c.xid.desc(), d.c.message_id.desc())
-        .limit(1)
+    nx, nid = select(target.c.xid).scalar_subquery(), select(target.c.message_id).scalar_subquery()
+    pruned = _prune(past, _position() <= tuple_(nx, nid))
+    moved = (
+        update(g)
+        .where(g.c.id == gid, select(target).exists())
+        .values(committed_xid=nx, committed_id=nid, done_pruned=g.c.done_pruned + pruned)
+        .returning(g.c.id)
+        .cte("moved")
     )
+    return select(select(here).exists().label("held"), pruned.label("pruned")).add_cte(moved)
 
 
 def _prune(*where: ColumnElement[bool]) -> ScalarSelect[int]:
@@ -100,26 +145,6 @@ def _prune(*where: ColumnElement[bool]) -> ScalarSelect[int]:
         .cte("pruned")
     )
     return select(func.count()).select_from(pruned).scalar_subquery()
-
-
-@cache
-def advance() -> Executable:
-    """Move the frontier of `:gid` from `:cx`/`:cid` to `:nx`/`:nid`, pruning the done rows
-    it passed; returns how many were pruned."""
-    upto = tuple_(d.c.xid, d.c.message_id) <= tuple_(
-        cast(bindparam("nx"), t.XID8()), bindparam("nid", type_=BigInteger)
-    )
-    count = _prune(_after_frontier(), upto)
-    return (
-        update(g)
-        .where(g.c.id == bindparam("gid"))
-        .values(
-            committed_xid=cast(bindparam("nx"), t.XID8()),
-            committed_id=bindparam("nid", type_=BigInteger),
-            done_pruned=g.c.done_pruned + count,
-        )
-        .returning(count)
-    )
 
 
 @cache

@@ -241,24 +241,13 @@ class GroupStore:
 
     def advance_frontier(self, conn: Connection) -> int | None:
         """Advance the committed frontier as far as it may go; returns rows pruned,
-        or None when another member holds the group row right now."""
-        frontier = conn.execute(frontier_sql.lock_group(), {"gid": self.gid}).one_or_none()
-        if frontier is None:
-            return None
-        here = {"gid": self.gid, "cx": frontier[0], "cid": frontier[1] or 0}
-        stop = conn.execute(frontier_sql.first_unresolved(), here).one_or_none()
-        if stop is None:
-            new = conn.execute(frontier_sql.last_committed(), here).one_or_none()
-        else:
-            new = conn.execute(
-                frontier_sql.last_resolved(), {**here, "ux": stop[0], "uid": stop[1]}
-            ).one_or_none()
-        if new is None:
-            return 0
-        return int(
-            conn.execute(frontier_sql.advance(), {**here, "nx": new[0], "nid": new[1]}).scalar()
-            or 0
-        )
+        or None when another member holds the group row right now.
+
+        One statement, so the decision comes from one snapshot (see
+        `frontier_sql.advance_frontier`)."""
+        conn.execute(frontier_sql.without_jit())
+        held, pruned = conn.execute(frontier_sql.advance_frontier(), {"gid": self.gid}).one()
+        return int(pruned) if held else None
 
     def refresh_statistics(self, conn: Connection) -> bool:
         """ANALYZE the delivery table when it changed a lot since its statistics were

@@ -11,12 +11,13 @@ with several publishers until it would have shown (see each test).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
-from helpers import wait_until
-from sqlalchemy import Connection, Engine, func, select, text, update
+from helpers import FAST, wait_until
+from sqlalchemy import Connection, Engine, Text, cast, func, select, text, tuple_, update
 
 import pgq
 from pgq import schema as t
@@ -398,3 +399,94 @@ def test_retention_deletes_what_every_group_finished_despite_dead_and_ready_rows
         assert retention(orders, "orders")(conn) == 6
     assert message_ids(orders) == set(ids[6:])
     assert orphans(orders) == []
+
+
+# -- 7. the frontier decides from one snapshot -------------------------------------------
+
+
+def test_the_frontier_never_passes_an_unresolved_message_under_load(orders):
+    """Three publishers (one holding each transaction open until another publisher
+    commits, so commits come out of id order) while two members consume and a checker
+    advances the frontier in a loop for eight seconds: right after every advance, in
+    the same transaction, no ready or leased row is at or behind `committed` in
+    (xid, id) order, and the frontier never moves back. Before the fix every run
+    failed (a publish committing between the frontier's statements slipped past)."""
+    stop = threading.Event()
+    commit_seen = threading.Event()
+    errors: list[BaseException] = []
+    published = [0, 0, 0]
+    handled: set[int] = set()
+    store = store_of(orders, "billing", "checker")
+    d, g = t.delivery, t.consumer_group
+
+    def publisher(n: int) -> None:
+        try:
+            while not stop.is_set():
+                if n == 0:
+                    with orders.begin() as conn:
+                        commit_seen.clear()
+                        pgq.publish(conn, "orders", {"p": n})
+                        commit_seen.wait(1.0)  # let a later id commit first
+                        pgq.publish(conn, "orders", {"p": n})
+                else:
+                    pgq.publish_many(orders, "orders", [{"p": n}] * n)
+                    commit_seen.set()
+                published[n] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    frontier = select(cast(g.c.committed_xid, Text), g.c.committed_id).where(g.c.id == store.gid)
+    behind = (
+        select(d.c.message_id, d.c.state)
+        .join(g, g.c.id == d.c.group_id)
+        .where(g.c.id == store.gid, d.c.state.in_(["ready", "leased"]))
+        .where(tuple_(d.c.xid, d.c.message_id) <= tuple_(g.c.committed_xid, g.c.committed_id))
+        .limit(5)
+    )
+    violations: list[Any] = []
+    moved_back: list[Any] = []
+    advances = 0
+    last = (0, 0)
+    members = [
+        pgq.Consumer(
+            orders, "billing", lambda m: handled.add(m.id), workers=2, name=f"m{i}", **FAST
+        )
+        for i in range(2)
+    ]
+    threads = [threading.Thread(target=publisher, args=(n,), name=f"pub-{n}") for n in range(3)]
+    for member in members:
+        member.start()
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 8.0
+        while time.monotonic() < deadline:
+            with orders.begin() as conn:
+                if store.advance_frontier(conn) is None:
+                    continue  # a member is advancing it right now
+                cx, cid = conn.execute(frontier).one()
+                if cid is None:
+                    continue
+                advances += 1
+                now = (int(cx), cid)
+                if now < last:
+                    moved_back.append((last, now))
+                last = now
+                found = conn.execute(behind).all()
+                if found:
+                    violations.append((now, [tuple(r) for r in found]))
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(JOIN)
+        try:
+            every = message_ids(orders)
+            wait_until(lambda: handled >= every, JOIN, "every message to be handled")
+        finally:
+            for member in members:
+                member.stop()
+    assert not errors, errors
+    assert not any(thread.is_alive() for thread in threads)
+    assert min(published) > 0 and advances > 100, (published, advances)
+    assert moved_back == []
+    assert violations == [], f"{len(violations)} of {advances} advances: {violations[:5]}"
