@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from sqlalchemy import Integer, Interval, Text, bindparam, cast, func, insert, select, true
+from sqlalchemy import Integer, Interval, Text, any_, bindparam, cast, func, insert, select, true
 from sqlalchemy.dialects.postgresql import JSONB, aggregate_order_by
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql import Executable
@@ -60,13 +60,39 @@ def insert_breaker() -> Executable:
 
 @cache
 def backfill_group() -> Executable:
-    """One ready delivery row in group `:group_id` for every retained message of `:topic_id`."""
-    m = t.message
-    return insert(t.delivery).from_select(
-        ["group_id", "message_id", "xid"],
-        select(bindparam("gid", type_=Integer), m.c.id, m.c.xid).where(
-            m.c.topic_id == bindparam("topic_id")
-        ),
+    """One ready delivery row in group `:gid` for every retained message of `:topic_id`,
+    claimable when the message is (a message published with `delay` keeps it).
+
+    A message does not store its delay: its available time is on the rows the
+    groups subscribed at publish got. No row is claimed before that time, so
+    while it lies ahead every never-claimed row of the message (`lease_seq` 0)
+    still carries it; once it has passed, the new row is available now. (A
+    message published while its topic had no group has no such row: its delay
+    is not known, and it is available at once.) The lookup reads only ready rows
+    not due yet, through the ready index, not the backlog.
+
+    Runs after `lock_topic_for_subscribe`, in a later statement.
+    """
+    m, d, g = t.message, t.delivery, t.consumer_group
+    topic_id = bindparam("topic_id", type_=Integer)
+    groups = select(g.c.id).where(g.c.topic_id == topic_id).scalar_subquery()
+    due = (
+        select(d.c.message_id, func.max(d.c.available_at).label("at"))
+        .where(d.c.group_id == any_(func.array(groups)), d.c.state == t.READY)
+        .where(d.c.available_at > func.now(), d.c.lease_seq == 0)
+        .group_by(d.c.message_id)
+        .cte("due")
+    )
+    return insert(d).from_select(
+        ["group_id", "message_id", "xid", "available_at"],
+        select(
+            bindparam("gid", type_=Integer),
+            m.c.id,
+            m.c.xid,
+            func.coalesce(due.c.at, func.now()),
+        )
+        .select_from(m.outerjoin(due, due.c.message_id == m.c.id))
+        .where(m.c.topic_id == topic_id),
     )
 
 

@@ -490,3 +490,28 @@ def test_the_frontier_never_passes_an_unresolved_message_under_load(orders):
     assert min(published) > 0 and advances > 100, (published, advances)
     assert moved_back == []
     assert violations == [], f"{len(violations)} of {advances} advances: {violations[:5]}"
+
+
+# -- 12a. an earliest subscribe keeps a message's delay ---------------------------------
+
+
+def test_an_earliest_subscribe_keeps_the_delay_of_a_delayed_message(orders):
+    """The new group's row of a message published with `delay` becomes claimable when
+    the message does, not at once. Before the fix the backfilled row was available
+    at once (its available_at was the subscribe's time, an hour early)."""
+    later = pgq.publish(orders, "orders", {"n": 1}, delay=3600)
+    now = pgq.publish(orders, "orders", {"n": 2})
+    pgq.subscribe(orders, "late", "orders", start="earliest")
+    d = t.delivery
+    with orders.connect() as conn:
+        due = dict(
+            conn.execute(
+                select(d.c.group_id, d.c.available_at).where(d.c.message_id == later)
+            ).all()
+        )
+    billing, late = store_of(orders, "billing"), store_of(orders, "late")
+    assert due[late.gid] == due[billing.gid]
+    with orders.connect() as conn:
+        conn.begin()
+        assert [c.id for c in late.claim(conn, 8, 0)] == [now]
+        conn.rollback()
