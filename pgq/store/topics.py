@@ -104,6 +104,11 @@ def publish_many(
     (written inside the caller's transaction: invisible until the caller
     commits, gone on rollback). `key`, `headers` and `delay` (seconds before
     the messages become claimable) apply to every message of the batch.
+
+    Inside the caller's transaction, every group subscribed before this call
+    gets its rows under READ COMMITTED (PostgreSQL's default). Under REPEATABLE
+    READ or SERIALIZABLE the whole transaction reads one snapshot, so a group
+    subscribed after that snapshot was taken gets no row for these messages.
     """
     check_name("topic", topic)
     batch = payloads if isinstance(payloads, list) else list(payloads)
