@@ -36,9 +36,12 @@ class RunSummary:
     """What one `Consumer.run()` did.
 
     `handled` counts finished attempts; `done`, `retried` and `dead` split them
-    by outcome (a snooze is in `retried`); `released` counts rows handed back
-    unstarted, `reclaimed` rows this member took back from expired leases, and
-    `waiting_retry` the group's rows waiting for a later retry when the run ended.
+    by the outcome written (a snooze is in `retried`), and `refused` counts the
+    attempts whose outcome the database refused because the lease had been lost
+    (another member reclaimed the row; its outcome stands). `released` counts
+    rows handed back unstarted, `reclaimed` rows this member took back from
+    expired leases, and `waiting_retry` the group's rows waiting for a later
+    retry when the run ended.
     """
 
     handled: int
@@ -49,6 +52,7 @@ class RunSummary:
     reclaimed: int
     waiting_retry: int
     stop_reason: StopReason
+    refused: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +112,8 @@ class DrainState:
 
     ready_now: int
     waiting_retry: int
+    due_soon: int
+    """Rows waiting for a retry that comes due within the wait asked for."""
     held: int
 
 

@@ -57,3 +57,12 @@ def gated(msg: pgq.Message) -> None:
     while not gate.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     _note("handled", msg)
+
+
+def snooze_once(msg: pgq.Message) -> None:
+    """Snooze each message once for `TESTQ_SNOOZE` seconds (default 0.3), then record it."""
+    marker = Path(os.environ["TESTQ_DIR"]) / f"snoozed-{msg.id}"
+    if not marker.exists():
+        marker.touch()
+        raise pgq.RetryLater(float(os.environ.get("TESTQ_SNOOZE", "0.3")))
+    _note("handled", msg)

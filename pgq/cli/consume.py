@@ -60,15 +60,15 @@ def load_handler(path: str) -> Callable[..., Any]:
     return target
 
 
-def _duration(value: str | None) -> float | None:
+def _duration(value: str | None, flag: str) -> float | None:
     if value is None:
         return None
     try:
         seconds = parse_duration(value)
     except ValueError as exc:
-        raise click.BadParameter(str(exc), param_hint="--max-runtime") from None
+        raise click.BadParameter(str(exc), param_hint=flag) from None
     if seconds <= 0:
-        raise click.BadParameter("must be > 0", param_hint="--max-runtime")
+        raise click.BadParameter("must be > 0", param_hint=flag)
     return seconds
 
 
@@ -100,6 +100,10 @@ def install_signal_handlers(consumer: Consumer) -> None:
 )
 @click.option("--workers", type=click.IntRange(1), help="worker threads (default 8)")
 @click.option("--until-empty", is_flag=True, help="stop once the group has nothing ready")
+@click.option(
+    "--wait-retries",
+    help="with --until-empty: also wait for retries due within this long (seconds or 5m...)",
+)
 @click.option("--max-messages", type=click.IntRange(1), help="stop after N finished attempts")
 @click.option("--max-runtime", help="stop gracefully after this long (seconds or 5m, 1h...)")
 @click.option("--name", help="member name (default host:pid:random)")
@@ -118,6 +122,7 @@ def consume(
     handler_path: str,
     workers: int | None,
     until_empty: bool,
+    wait_retries: str | None,
     max_messages: int | None,
     max_runtime: str | None,
     name: str | None,
@@ -125,7 +130,10 @@ def consume(
     config_file: str | None,
 ) -> None:
     """Run a member of GROUP, calling the handler for each message."""
-    runtime = _duration(max_runtime)
+    runtime = _duration(max_runtime, "--max-runtime")
+    retries = _duration(wait_retries, "--wait-retries") or 0.0
+    if wait_retries is not None and not until_empty:
+        raise click.UsageError("--wait-retries needs --until-empty")
     settings = load_settings(
         config_file or state.config, env=os.environ, overrides={"workers": workers}
     )
@@ -138,7 +146,10 @@ def consume(
     install_signal_handlers(consumer)
     try:
         summary = consumer.run(
-            until_empty=until_empty, max_messages=max_messages, max_runtime=runtime
+            until_empty=until_empty,
+            max_messages=max_messages,
+            max_runtime=runtime,
+            wait_retries=retries,
         )
     except DatabaseUnavailable as exc:
         if until_empty:
@@ -148,7 +159,8 @@ def consume(
     click.echo(
         f"handled={summary.handled} done={summary.done} retried={summary.retried} "
         f"dead={summary.dead} released={summary.released} reclaimed={summary.reclaimed} "
-        f"waiting_retry={summary.waiting_retry} stop_reason={summary.stop_reason}",
+        f"waiting_retry={summary.waiting_retry} refused={summary.refused}"
+        f" stop_reason={summary.stop_reason}",
         err=True,
     )
     if summary.stop_reason == "breaker_open":

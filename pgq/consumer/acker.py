@@ -14,7 +14,7 @@ import threading
 import time
 
 from pgq.consumer.member import Member, Role
-from pgq.errors import DatabaseUnavailable
+from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.records import Lease, Outcome
 from pgq.store import RoleConnection
 
@@ -41,6 +41,17 @@ class Acker(Role):
     def submit(self, outcome: Outcome) -> None:
         """Queue an outcome for the next batch."""
         self.outcomes.put(outcome)
+
+    def take_queued(self) -> list[Outcome]:
+        """Remove and return the outcomes not yet taken for a batch (for `abort`)."""
+        taken: list[Outcome] = []
+        while True:
+            try:
+                outcome = self.outcomes.get_nowait()
+            except queue.Empty:
+                return taken
+            if outcome is not None:
+                taken.append(outcome)
 
     def stop(self) -> None:
         """No more outcomes will come: write what is queued, then leave."""
@@ -75,7 +86,7 @@ class Acker(Role):
                         break
                     pending.append(more)
                 try:
-                    applied = conn.retrying(m.store.record, pending)
+                    applied = self._write(conn, pending)
                 except DatabaseUnavailable:
                     self.unwritten = len(pending) + self.outcomes.qsize()
                     logger.error("outcomes not written count=%d (database away)", self.unwritten)
@@ -87,6 +98,45 @@ class Acker(Role):
         finally:
             conn.close()
 
+    def _write(self, conn: RoleConnection, outcomes: list[Outcome]) -> set[Lease]:
+        """Write a batch; if the database refuses it (not an outage), write the outcomes
+        one by one so one bad outcome cannot take the others with it."""
+        store = self.member.store
+        try:
+            return conn.retrying(store.record, outcomes)
+        except DatabaseUnavailable:
+            raise
+        except PgqError as exc:
+            if len(outcomes) == 1:
+                return self._write_refused(conn, outcomes[0], exc)
+            logger.warning("outcome batch refused count=%d error=%s", len(outcomes), exc)
+        applied: set[Lease] = set()
+        for outcome in outcomes:
+            try:
+                applied |= conn.retrying(store.record, [outcome])
+            except DatabaseUnavailable:
+                raise
+            except PgqError as exc:
+                applied |= self._write_refused(conn, outcome, exc)
+        return applied
+
+    def _write_refused(self, conn: RoleConnection, outcome: Outcome, exc: PgqError) -> set[Lease]:
+        """The database refused this outcome: record the attempt as a message failure
+        that says why; if even that is refused, leave the row to its lease."""
+        logger.error("outcome refused by the database id=%d error=%s", outcome.claimed.id, exc)
+        replacement = self.member.handling.failure(
+            outcome.claimed, ValueError(f"pgq could not record the outcome: {exc}")
+        )
+        try:
+            return conn.retrying(self.member.store.record, [replacement])
+        except DatabaseUnavailable:
+            raise
+        except PgqError as again:
+            logger.error(
+                "outcome dropped id=%d error=%s (the lease will expire)", outcome.claimed.id, again
+            )
+            return set()
+
     def _settle(self, written: list[Outcome], applied: set[Lease]) -> None:
         m = self.member
         refused = [o for o in written if o.claimed.lease not in applied]
@@ -96,7 +146,7 @@ class Acker(Role):
                 o.claimed.id,
                 o.kind,
             )
+            m.count_refused(o)
         m.let_go([o.claimed.lease for o in written])
         with m.lock:
             m.outcomes_pending -= len(written)
-            m.tally.refused += len(refused)

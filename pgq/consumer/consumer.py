@@ -22,13 +22,16 @@ from pgq.consumer.handling import Handling
 from pgq.consumer.member import Member
 from pgq.consumer.pool import ClaimPool
 from pgq.consumer.runtime import Runtime
-from pgq.errors import DatabaseUnavailable, DuplicateMember, UsageError
+from pgq.errors import BadDsn, DatabaseUnavailable, DuplicateMember, UsageError
 from pgq.names import check_member_name, check_name
 from pgq.records import GroupInfo, Message, RunSummary, StopReason
 from pgq.settings import Settings, load_settings
-from pgq.store import GroupStore, group_info, run_once
+from pgq.store import GroupStore, group_info, member_lock, run_once
 
 logger = logging.getLogger("pgq.consumer")
+
+MAX_WAIT_RETRIES = 30 * 86400.0
+"""The longest `wait_retries`: 30 days, like the longest snooze."""
 
 CONNECTIONS_NEEDED = 7
 """Pooled connections one member may use at once: fetcher, acker, heartbeat,
@@ -87,6 +90,8 @@ class Consumer:
         self.clock = clock
         self._gate: Gate | None = None
         self._runtime: Runtime | None = None
+        self._early_stop: StopReason | None = None
+        """A stop asked for before the member had started (a signal during start-up)."""
         self._summary: RunSummary | None = None
         self._ran_by_run = False
         self._grace = self.settings.shutdown_grace
@@ -103,32 +108,57 @@ class Consumer:
         until_empty: bool = False,
         max_messages: int | None = None,
         max_runtime: float | None = None,
+        wait_retries: float = 0.0,
     ) -> RunSummary:
         """Consume until asked to stop; return what was done.
 
         `until_empty` stops once nothing is ready and nothing is leased except
-        by other live members; `max_messages` after that many finished attempts;
+        by other live members; with `wait_retries` (seconds) it also waits for
+        retries that come due within that long after the group first looks
+        empty. `max_messages` stops after that many finished attempts;
         `max_runtime` (seconds) starts a graceful stop. `stop()` from another
-        thread (or a signal handler) ends the run too.
+        thread (or a signal handler) ends the run too. An exception raised in
+        this thread while it waits (KeyboardInterrupt, an orchestrator's
+        cancellation) shuts the member down as `stop()` would, then propagates.
         """
         self._ran_by_run = True
-        self.start(until_empty=until_empty, max_messages=max_messages)
-        member = self._require().member
-        deadline = None if max_runtime is None else time.monotonic() + max_runtime
-        while not member.stopping.wait(0.1):
-            if deadline is not None and time.monotonic() >= deadline:
-                member.request_stop("max_runtime")
+        self.start(until_empty=until_empty, max_messages=max_messages, wait_retries=wait_retries)
+        if self._runtime is None:  # asked to stop while starting
+            return self._unstarted_summary()
+        try:
+            member = self._runtime.member
+            deadline = None if max_runtime is None else time.monotonic() + max_runtime
+            while not member.stopping.wait(0.1):
+                if deadline is not None and time.monotonic() >= deadline:
+                    member.request_stop("max_runtime")
+        except BaseException:
+            self._shutdown()
+            raise
         return self._shutdown()
 
-    def start(self, *, until_empty: bool = False, max_messages: int | None = None) -> None:
-        """Join the group and start the member's threads (returns at once)."""
+    def start(
+        self,
+        *,
+        until_empty: bool = False,
+        max_messages: int | None = None,
+        wait_retries: float = 0.0,
+    ) -> None:
+        """Join the group and start the member's threads (returns at once).
+
+        A stop asked for while this runs (a signal during start-up) is honoured:
+        the member then does not start, or stops at once.
+        """
         if self._runtime is not None:
             raise UsageError("consumer already started")
         if max_messages is not None and max_messages < 1:
             raise UsageError("max_messages must be >= 1")
+        if not 0 <= wait_retries <= MAX_WAIT_RETRIES:  # NaN fails too
+            raise UsageError("wait_retries must be from 0 to 30 days (in seconds)")
         s = self.settings
         self._check_pool()
         info = self._group_info(until_empty)
+        if info is None:
+            return
         store = GroupStore(info.id, self.group, info.topic, self.name, s.lease, s.max_reclaims)
         member = Member(
             engine=self.engine,
@@ -139,15 +169,28 @@ class Consumer:
             pool=ClaimPool(s.effective_prefetch),
             until_empty=until_empty,
             max_messages=max_messages,
+            wait_retries=wait_retries,
         )
-        if not run_once(self.engine, store.join, s.breaker_member_ttl):
-            raise DuplicateMember(
-                f"a live member named {self.name!r} is already running in group {self.group!r}"
-            )
-        gate = Gate(s, self.clock)
-        view = run_once(self.engine, store.breaker)
+        session = member_lock(self.engine, info.id, self.name)
+        try:
+            held = session.acquire()
+            if not run_once(self.engine, store.join, s.breaker_member_ttl, held):
+                raise DuplicateMember(
+                    f"a live member named {self.name!r} is already running in group {self.group!r}"
+                )
+            if not held:
+                logger.warning(
+                    "member name taken over from a silent process member=%s; its session"
+                    " lock follows once that session ends",
+                    self.name,
+                )
+            gate = Gate(s, self.clock)
+            view = run_once(self.engine, store.breaker)
+        except BaseException:
+            session.release()
+            raise
         gate.see_group(view.state, view.epoch)
-        runtime = Runtime(member, gate, self.clock)
+        runtime = Runtime(member, gate, session, self.clock)
         self._gate, self._runtime = gate, runtime
         runtime.start()
         logger.info(
@@ -157,6 +200,8 @@ class Consumer:
             s.workers,
             s.effective_prefetch,
         )
+        if self._early_stop is not None:
+            member.request_stop(self._early_stop)
 
     def stop(self, timeout: float | None = None, reason: StopReason = "signal") -> RunSummary:
         """Stop gracefully; `timeout` overrides `shutdown_grace`.
@@ -166,6 +211,8 @@ class Consumer:
         """
         if timeout is not None:
             self._grace = timeout
+        if self._summary is not None:
+            return self._summary
         runtime = self._require()
         runtime.member.request_stop(reason)
         if self._ran_by_run:
@@ -173,12 +220,17 @@ class Consumer:
         return self._shutdown()
 
     def request_stop(self, reason: StopReason = "signal") -> None:
-        """Ask a running consumer to stop (safe from a signal handler)."""
+        """Ask the consumer to stop (safe from a signal handler); before it has
+        started, it will not start."""
+        if self._early_stop is None:
+            self._early_stop = reason
         if self._runtime is not None:
             self._runtime.member.request_stop(reason)
 
     def abort(self) -> None:
-        """Release what no worker started, then stop without waiting (second signal)."""
+        """Second signal: release what no worker started and write the outcomes
+        already finished, without waiting for anything else."""
+        self.request_stop("signal")
         if self._runtime is not None:
             self._runtime.abort()
 
@@ -202,6 +254,10 @@ class Consumer:
             self.stop()
 
     # -- internals ------------------------------------------------------------
+
+    def _unstarted_summary(self) -> RunSummary:
+        self._summary = RunSummary(0, 0, 0, 0, 0, 0, 0, self._early_stop or "signal")
+        return self._summary
 
     def _require(self) -> Runtime:
         if self._runtime is None:
@@ -230,17 +286,22 @@ class Consumer:
                 CONNECTIONS_NEEDED,
             )
 
-    def _group_info(self, until_empty: bool) -> GroupInfo:
+    def _group_info(self, until_empty: bool) -> GroupInfo | None:
         """The group, waiting out an unreachable database (bounded by `lease` with
-        `until_empty`: a cron run gives up and exits 75)."""
+        `until_empty`: a cron run gives up and exits 75); None if asked to stop."""
         give_up = time.monotonic() + self.settings.lease if until_empty else None
         delay = 0.2
-        while True:
+        while self._early_stop is None:
             try:
                 return group_info(self.engine, self.group)
             except DatabaseUnavailable as exc:
-                if give_up is not None and time.monotonic() + delay > give_up:
+                if isinstance(exc, BadDsn) or (
+                    give_up is not None and time.monotonic() + delay > give_up
+                ):
                     raise
                 logger.warning("database unavailable at start, retrying error=%s", exc)
-                time.sleep(delay)
+                pause = time.monotonic() + delay
+                while self._early_stop is None and time.monotonic() < pause:
+                    time.sleep(0.05)
                 delay = min(delay * 2, 5.0)
+        return None

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
-from pgq.errors import DatabaseUnavailable
+from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.records import Claimed
 from pgq.store import Listener, RoleConnection
 
@@ -34,6 +35,8 @@ class Fetcher(Role):
         self.listener = Listener(member.engine, member.store.topic)
         self.wake = threading.Event()
         """Set by other threads to make an idle fetcher claim at once."""
+        self._retries_until: float | None = None
+        """With `wait_retries`: the monotonic time up to which due retries are waited for."""
 
     def work(self) -> None:
         m = self.member
@@ -94,16 +97,23 @@ class Fetcher(Role):
             self.listener.wait(m.settings.poll_interval, m.stop_claiming)
 
     def release(self, rows: list[Claimed]) -> int:
-        """Hand unstarted rows back to ready (no charge); returns how many went back."""
+        """Hand unstarted rows back to ready (no charge); returns how many went back.
+
+        Rows that cannot be released now (the database is away) stop being held
+        (their leases are no longer extended: nobody will run them) and are tried
+        again with the next release, until released or their leases have ended.
+        """
         if not rows:
             return 0
         m = self.member
+        leases = [row.lease for row in rows]
+        m.let_go(leases)
         try:
-            released = self.conn.run(m.store.release, [row.lease for row in rows])
-        except DatabaseUnavailable as exc:
+            released = self.conn.run(m.store.release, leases)
+        except PgqError as exc:
             logger.warning("could not release rows count=%d error=%s", len(rows), exc)
+            m.retry_release(rows)
             return 0
-        m.let_go([row.lease for row in rows])
         m.count_released(len(released))
         logger.info("released unstarted rows count=%d", len(released))
         return len(released)
@@ -124,15 +134,23 @@ class Fetcher(Role):
         return True
 
     def _drained(self) -> bool:
-        """True when nothing is ready now and nothing is leased but by other live members."""
+        """True when nothing is ready now and nothing is leased but by other live members
+        (and, with `wait_retries`, no retry comes due within the time left for it)."""
         m = self.member
         if not m.idle() or len(m.pool):
             return False
+        wait = 0.0
+        if m.wait_retries > 0:
+            now = time.monotonic()
+            if self._retries_until is None:  # the first time the group looks empty
+                self._retries_until = now + m.wait_retries
+            wait = max(0.0, self._retries_until - now)
         try:
             swept = self.conn.retrying(m.store.sweep)
-            state = self.conn.retrying(m.store.drain_state, m.settings.breaker_member_ttl)
+            state = self.conn.retrying(m.store.drain_state, m.settings.breaker_member_ttl, wait)
         except DatabaseUnavailable:
             return False
         if swept.reclaimed:
             m.count_reclaimed(swept.reclaimed)
-        return state.ready_now == 0 and state.held == 0 and m.idle()
+        waiting = state.ready_now + state.held + state.due_soon
+        return waiting == 0 and m.idle()

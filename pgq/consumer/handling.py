@@ -7,6 +7,7 @@ database or the breaker.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,9 @@ from pgq.records import Claimed, Message, Outcome
 from pgq.settings import Settings
 
 logger = logging.getLogger("pgq.consumer")
+
+MAX_SNOOZE = 30 * 86400.0
+"""The longest `RetryLater` delay: 30 days."""
 
 
 class Handling:
@@ -45,13 +49,26 @@ class Handling:
 
     def failure(self, row: Claimed, exc: BaseException) -> Outcome:
         """The outcome of an attempt on `row` that raised `exc`: snooze, retry or dead."""
+        error_class = None
         if isinstance(exc, RetryLater):
-            return Outcome(row, "snooze", delay=exc.delay)
-        error_class = self.classify(exc)
-        text = f"{type(exc).__name__}: {exc}"
+            if math.isfinite(exc.delay) and 0.0 <= exc.delay <= MAX_SNOOZE:
+                return Outcome(row, "snooze", delay=exc.delay)
+            error_class = "message"
+            text = f"RetryLater: delay must be finite, from 0 to 30 days; got {exc.delay!r}"
+        else:
+            text = f"{type(exc).__name__}: {_text_of(exc)}"
+        error_class = error_class or self.classify(exc)
         finished = row.attempts + 1
         s = self.settings
         if error_class == "permanent" or finished >= s.max_attempts:
             return Outcome(row, "dead", error_class=error_class, error=text)
         delay = retry_delay(finished, s.retry_backoff, s.retry_backoff_max)
         return Outcome(row, "retry", delay=delay, error_class=error_class, error=text)
+
+
+def _text_of(exc: BaseException) -> str:
+    """`str(exc)`, or a placeholder when the exception cannot even say what it is."""
+    try:
+        return str(exc)
+    except Exception:
+        return "<the exception's text could not be read>"

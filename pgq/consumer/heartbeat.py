@@ -1,6 +1,7 @@
 """The heartbeat thread: the member's liveness and its view of the group breaker.
 
-Every `breaker.heartbeat` seconds (at once when a breaker changes) it records
+Every `breaker.heartbeat` seconds (at once when a breaker changes) it checks
+that the member's session lock is still held (taking it again if not), records
 the member's liveness and local breaker state, opens the group when the
 quorum of tripped live members is there (one conditional statement), feeds
 the group state to the gate, and starts the prober while the group is OPEN or
@@ -22,7 +23,7 @@ from pgq.consumer.member import Member, Role
 from pgq.consumer.prober import Prober
 from pgq.errors import DatabaseUnavailable
 from pgq.records import BreakerView
-from pgq.store import RoleConnection
+from pgq.store import LostLock, RoleConnection, SessionLock
 
 logger = logging.getLogger("pgq.breaker")
 
@@ -31,10 +32,15 @@ class Heartbeat(Role):
     """Beats until `stop()`; owns the member's prober thread."""
 
     def __init__(
-        self, member: Member, gate: Gate, clock: Callable[[], float] = time.monotonic
+        self,
+        member: Member,
+        gate: Gate,
+        session: SessionLock,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(member, "pgq-heartbeat")
         self.gate = gate
+        self.session = session
         self.clock = clock
         self.finish = threading.Event()
         self._poked = threading.Event()
@@ -72,9 +78,20 @@ class Heartbeat(Role):
             logger.info("heartbeat recovered")
         self._failing = False
 
+    def hold_session(self) -> None:
+        """Make sure the member's session lock is held (its liveness), taking it
+        again after a lost connection, or once a stale holder's session ended."""
+        try:
+            self.session.check()
+        except LostLock:
+            self.session.release()
+            if self.session.acquire():
+                logger.info("member session lock taken member=%s", self.member.name)
+
     def beat(self) -> None:
         """Record liveness and the local breaker; open the group on quorum; follow it."""
         m, gate, s = self.member, self.gate, self.member.settings
+        self.hold_session()
         local, tripped = gate.local_report()
 
         def beat(conn: Connection) -> tuple[BreakerView, int | None]:

@@ -44,6 +44,8 @@ class Member:
     pool: ClaimPool[Claimed]
     until_empty: bool = False
     max_messages: int | None = None
+    wait_retries: float = 0.0
+    """With `until_empty`: also wait for retries due within this long."""
     stop_claiming: threading.Event = field(default_factory=threading.Event)
     """Set first on shutdown: the fetcher claims nothing more."""
     stopping: threading.Event = field(default_factory=threading.Event)
@@ -57,7 +59,8 @@ class Member:
     copy of a message can never shadow the member's newer lease on it."""
     tally: Tally = field(default_factory=Tally)
     deferred: list[Claimed] = field(default_factory=list)
-    """Buffered rows a closed gate turned away at dispatch, waiting to be released."""
+    """Rows waiting to be released: buffered rows a closed gate turned away at
+    dispatch, and rows a release could not hand back (the database was away)."""
     crashed: list[str] = field(default_factory=list)
     """Threads that died of an unexpected error (the member then stops, unclean)."""
     outcomes_pending: int = 0
@@ -100,6 +103,12 @@ class Member:
         with self.lock:
             self.deferred.append(row)
 
+    def retry_release(self, rows: list[Claimed]) -> None:
+        """A release failed: try these rows again with the next one (no longer held,
+        so their leases are not extended meanwhile)."""
+        with self.lock:
+            self.deferred.extend(rows)
+
     def take_deferred(self) -> list[Claimed]:
         with self.lock:
             rows, self.deferred = self.deferred, []
@@ -138,6 +147,19 @@ class Member:
         """Nothing buffered, running or waiting to be written."""
         with self.lock:
             return not self.held and self.outcomes_pending == 0
+
+    def count_refused(self, outcome: Outcome) -> None:
+        """The database refused `outcome` (the lease was lost): it is not what became
+        of the message, so it moves from its kind's count to `refused`."""
+        with self.lock:
+            t = self.tally
+            t.refused += 1
+            if outcome.kind == "done":
+                t.done -= 1
+            elif outcome.kind == "dead":
+                t.dead -= 1
+            else:
+                t.retried -= 1
 
     def count_outcome(self, outcome: Outcome, pending: bool = True) -> None:
         """Count a finished attempt or snooze; `pending`: the acker still has to write it."""

@@ -22,7 +22,7 @@ from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
 from pgq.errors import DatabaseUnavailable
 from pgq.records import Claimed, Outcome
-from pgq.store import LockConnection, LostLock, RoleConnection
+from pgq.store import LostLock, RoleConnection, probe_lock
 
 logger = logging.getLogger("pgq.breaker")
 
@@ -49,7 +49,7 @@ class Prober(Role):
         self.clock = clock
         self.done = threading.Event()
         self.conn = RoleConnection(member.engine, "prober", member.stopping)
-        self.lock = LockConnection(member.engine, member.store.group)
+        self.lock = probe_lock(member.engine, member.store.group)
         self.sitting_out = False
 
     # -- election ---------------------------------------------------------------
@@ -170,6 +170,7 @@ class Prober(Role):
         m.count_outcome(outcome, pending=False)
         if not written:
             logger.warning("probe outcome refused id=%d (lease lost)", row.id)
+            m.count_refused(outcome)
         return outcome
 
     def _attempt(self, row: Claimed) -> Outcome:

@@ -26,9 +26,9 @@ from pgq.consumer.heartbeat import Heartbeat
 from pgq.consumer.maintenance import Maintenance
 from pgq.consumer.member import Member
 from pgq.consumer.workers import Workers
-from pgq.errors import DatabaseUnavailable
+from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.records import RunSummary
-from pgq.store import run_once
+from pgq.store import SessionLock, run_once
 
 logger = logging.getLogger("pgq.consumer")
 
@@ -36,14 +36,18 @@ logger = logging.getLogger("pgq.consumer")
 class Runtime:
     """The threads of one started member."""
 
-    def __init__(self, member: Member, gate: Gate, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, member: Member, gate: Gate, session: SessionLock, clock: Callable[[], float]
+    ) -> None:
         s = member.settings
         self.member = member
         self.gate = gate
+        self.session = session
+        """The member's session lock: it is live while this connection holds it."""
         self.acker = Acker(member)
         self.workers = Workers(member, gate, self.acker, clock)
         self.fetcher = Fetcher(member, gate)
-        self.heartbeat = Heartbeat(member, gate, clock)
+        self.heartbeat = Heartbeat(member, gate, session, clock)
         self.maintenance = Maintenance(member, clock)
         self.maintenance.add(
             "extend-leases", max(0.05, s.lease / 3), self.maintenance.extend_leases
@@ -70,12 +74,24 @@ class Runtime:
         self.fetcher.start()
 
     def abort(self) -> None:
-        """Second signal: stop dispatching, let the fetcher release what is buffered,
-        and make every database retry give up."""
+        """Second signal: stop dispatching, release what is buffered or deferred, write
+        the outcomes already queued (one try each, no retries), and make every
+        database retry give up. Returns without waiting for any thread."""
         m = self.member
         m.request_stop("signal")
         m.pool.shut()
         m.halt.set()
+        rows = m.pool.drain() + m.take_deferred()
+        outcomes = self.acker.take_queued()
+        try:
+            if rows:
+                released = run_once(m.engine, m.store.release, [row.lease for row in rows])
+                m.count_released(len(released))
+            if outcomes:
+                run_once(m.engine, m.store.record, outcomes)
+        except PgqError as exc:
+            logger.warning("abort could not release or write everything error=%s", exc)
+        self.session.release()
 
     def shutdown(self, grace: float) -> int:
         """Stop in the fixed order under one deadline; returns the rows waiting for a retry."""
@@ -109,7 +125,10 @@ class Runtime:
             and not self.acker.is_alive()
             and not m.crashed
         )
-        return self._final_pass()
+        try:
+            return self._final_pass()
+        finally:
+            self.session.release()
 
     def _final_pass(self) -> int:
         """Advance the frontier, leave the group; return rows waiting for a retry."""
@@ -137,4 +156,5 @@ class Runtime:
                 reclaimed=t.reclaimed,
                 waiting_retry=waiting,
                 stop_reason=m.stop_reason or "signal",
+                refused=t.refused,
             )

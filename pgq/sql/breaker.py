@@ -32,16 +32,13 @@ from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
 from pgq.sql.claim import lease_picked
+from pgq.sql.members import member_live
 
 br, hist, mb, d, g = t.breaker, t.breaker_history, t.member, t.delivery, t.consumer_group
 
 
 def _live_members() -> ColumnElement[bool]:
-    return and_(
-        mb.c.group_id == bindparam("gid"),
-        mb.c.left_at.is_(None),
-        mb.c.last_seen > func.now() - bindparam("ttl", type_=Interval),
-    )
+    return and_(mb.c.group_id == bindparam("gid"), member_live())
 
 
 def _open_at_epoch() -> ColumnElement[bool]:

@@ -3,8 +3,27 @@
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
-from sqlalchemy import Integer, Interval, and_, bindparam, func, literal_column, select, update
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    Integer,
+    Interval,
+    Text,
+    and_,
+    bindparam,
+    cast,
+    column,
+    func,
+    literal,
+    literal_column,
+    or_,
+    select,
+    table,
+    update,
+)
+from sqlalchemy.dialects.postgresql import OID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql import ColumnElement, Executable
 
@@ -12,20 +31,122 @@ from pgq import schema as t
 
 mb, d, br = t.member, t.delivery, t.breaker
 
+_locks = table(
+    "pg_locks",
+    column("locktype"),
+    column("database"),
+    column("classid"),
+    column("objid"),
+    column("objsubid"),
+    column("granted"),
+    column("pid"),
+    schema="pg_catalog",
+)
+_databases = table("pg_database", column("oid"), column("datname"), schema="pg_catalog")
+
+
+def _key(table_oid: ColumnElement[Any], gid: ColumnElement[Any], name: ColumnElement[Any]) -> Any:
+    text = cast(table_oid, Text) + literal(":") + cast(gid, Text) + literal(":") + name
+    return func.hashtextextended(text, 0)
+
+
+def session_key() -> ColumnElement[int]:
+    """The advisory lock key a member's session holds while the member runs, for the
+    member row at hand: a hash of the member table's oid (one per schema and
+    database), the group and the name. Computed where the row is, so the liveness
+    test needs no stored key; `session_key_for` computes the same from parameters."""
+    return _key(literal_column(f"{mb.name}.tableoid"), mb.c.group_id, mb.c.name)
+
+
+def session_key_for() -> ColumnElement[int]:
+    """`session_key` of member `:member` in group `:gid` of member table `:table`
+    (the schema-qualified name), without reading the row."""
+    table_oid = cast(func.to_regclass(bindparam("table", type_=Text)), OID)
+    return _key(table_oid, bindparam("gid", type_=Integer), bindparam("member", type_=Text))
+
+
+def _lock_key_of_row() -> ColumnElement[int]:
+    high = cast(_locks.c.classid, BigInteger).op("<<")(literal_column("32"))
+    return high.op("|")(cast(_locks.c.objid, BigInteger))
+
+
+def _advisory_here() -> list[ColumnElement[bool]]:
+    here = select(_databases.c.oid).where(_databases.c.datname == func.current_database())
+    return [
+        _locks.c.locktype == literal("advisory"),
+        _locks.c.granted,
+        _locks.c.objsubid == literal(1),
+        _locks.c.database == here.scalar_subquery(),
+    ]
+
+
+def session_present() -> ColumnElement[bool]:
+    """Some session of this database holds the member row's session lock (`pg_locks`):
+    the member's process is still connected. `kill -9` ends it at once."""
+    return (
+        select(literal(1))
+        .select_from(_locks)
+        .where(*_advisory_here(), _lock_key_of_row() == session_key())
+        .correlate_except(_locks)
+        .exists()
+    )
+
+
+def member_live(ttl: ColumnElement[Any] | None = None) -> ColumnElement[bool]:
+    """A member row is live (DESIGN §6.2): not left, heard from within `ttl` (default
+    the `:ttl` interval parameter), and its session is still there."""
+    if ttl is None:
+        ttl = bindparam("ttl", type_=Interval)
+    return and_(_fresh(ttl), session_present())
+
+
+def _fresh(ttl: ColumnElement[Any] | None = None) -> ColumnElement[bool]:
+    """Not left, and heard from within `ttl` (default the `:ttl` interval parameter)."""
+    if ttl is None:
+        ttl = bindparam("ttl", type_=Interval)
+    return and_(mb.c.left_at.is_(None), mb.c.last_seen > func.now() - ttl)
+
 
 def _live() -> ColumnElement[bool]:
-    """A member row is live: not left, seen within `:ttl`."""
-    return and_(
-        mb.c.left_at.is_(None), mb.c.last_seen > func.now() - bindparam("ttl", type_=Interval)
+    return member_live()
+
+
+@cache
+def take_session_lock() -> Executable:
+    """Try `:member`'s session lock in `:gid` (member table `:table`); true when held."""
+    return select(func.pg_try_advisory_lock(session_key_for()))
+
+
+@cache
+def release_session_lock() -> Executable:
+    """Release `:member`'s session lock in `:gid` held by this session."""
+    return select(func.pg_advisory_unlock(session_key_for()))
+
+
+@cache
+def session_lock_held() -> Executable:
+    """True while this very session holds `:member`'s session lock in `:gid`."""
+    return select(
+        select(literal(1))
+        .select_from(_locks)
+        .where(
+            *_advisory_here(),
+            _locks.c.pid == func.pg_backend_pid(),
+            _lock_key_of_row() == session_key_for(),
+        )
+        .exists()
     )
 
 
 @cache
 def join() -> Executable:
-    """Register `:member` in `:gid` unless a live member already has that name.
+    """Register `:member` in `:gid`; returns the name when joined, nothing when refused.
 
-    One statement, so two processes starting with the same name cannot both
-    win. Returns the name when joined, nothing when refused.
+    With `:takeover` (the caller holds the member's session lock, so no other
+    process runs under this name) it always joins; without it (a stale session
+    still holds the lock: a paused process) only when the row has not been heard
+    from within `:ttl`. One statement: of two processes starting with the same
+    name, the row lock lets only one pass that test.
     """
     stmt = pg_insert(mb).values(
         group_id=bindparam("gid"),
@@ -44,7 +165,7 @@ def join() -> Executable:
             "local_breaker": literal_column("'closed'"),
             "tripped_epoch": None,
         },
-        where=~_live(),
+        where=or_(bindparam("takeover", type_=Boolean), ~_fresh()),
     ).returning(mb.c.name)
 
 
@@ -88,8 +209,9 @@ def leave() -> Executable:
 def drain_state() -> Executable:
     """What stands between `:member` and an empty group `:gid`.
 
-    Returns (ready now, waiting for a later retry, leased by this member or by
-    members that are not live — rows whose leases must expire and be reclaimed).
+    Returns (ready now, waiting for a later retry, of those the ones due within
+    `:wait`, leased by this member or by members that are not live — rows whose
+    leases must expire and be reclaimed).
     """
     holder_live = (
         select(mb.c.name)
@@ -100,6 +222,15 @@ def drain_state() -> Executable:
     return select(
         func.count().filter(and_(ready, d.c.available_at <= func.now())).label("ready_now"),
         func.count().filter(and_(ready, d.c.available_at > func.now())).label("waiting_retry"),
+        func.count()
+        .filter(
+            and_(
+                ready,
+                d.c.available_at > func.now(),
+                d.c.available_at <= func.now() + bindparam("wait", type_=Interval),
+            )
+        )
+        .label("due_soon"),
         func.count()
         .filter(
             and_(d.c.state == t.LEASED, (d.c.lease_owner == bindparam("member")) | ~holder_live)

@@ -25,6 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.sql import ColumnElement, Select
 
 from pgq import schema as t
+from pgq.sql.members import member_live
 
 
 def _count_columns() -> list[ColumnElement[Any]]:
@@ -91,7 +92,7 @@ def _members() -> Select[Any]:
     m = t.member
     # make_interval(years, months, weeks, days, hours, mins, secs): `secs => :ttl`
     ttl = func.make_interval(0, 0, 0, 0, 0, 0, bindparam("ttl", type_=Float))
-    live = and_(m.c.last_seen > func.now() - ttl, m.c.left_at.is_(None))
+    live = member_live(ttl)
     return select(
         m.c.group_id,
         m.c.name,

@@ -3,8 +3,9 @@
 - `RoleConnection`: one pooled connection per thread role (fetcher, acker,
   heartbeat, maintenance, prober), each call one transaction, retried with
   exponential backoff while the database is unavailable.
-- `LockConnection`: the prober's dedicated connection outside any pool that
-  holds the group's session-level probe lock.
+- `SessionLock`: a dedicated connection outside any pool that holds a
+  session-level advisory lock: the group's probe lock (`probe_lock`) and each
+  member's liveness lock (`member_lock`).
 - `Listener`: the fetcher's LISTEN connection (autocommit, outside the pool).
 - `run_once`: one transaction on a pooled connection, for one-off calls.
 - `run_hot`: a hot-path statement compiled once and run on the driver's cursor.
@@ -28,6 +29,7 @@ from tenacity import Retrying, retry_if_exception, wait_exponential
 from pgq.errors import BadDsn, DatabaseUnavailable
 from pgq.schema import SCHEMA_PLACEHOLDER
 from pgq.sql import breaker as breaker_sql
+from pgq.sql import members as member_sql
 from pgq.sql.locks import lock_key, try_session_lock, unlock_session
 from pgq.sql.publish import notify_channel
 from pgq.store.engine import connect, conninfo_of, schema_of
@@ -161,17 +163,30 @@ def probe_lock_key(schema: str, group: str) -> int:
 
 
 class LostLock(Exception):
-    """The lock connection failed or no longer holds the probe lock."""
+    """The lock connection failed or no longer holds its lock."""
 
 
-class LockConnection:
-    """The prober's dedicated connection (autocommit, no pool) that holds the lock."""
+class SessionLock:
+    """A session-level advisory lock on a dedicated connection (autocommit, no pool).
 
-    def __init__(self, engine: Engine, group: str) -> None:
+    `take`, `held` and `release` are the statements (with `params`) that try the
+    lock, tell whether this session still holds it, and unlock. Closing the
+    connection frees the lock too, so a dead process never keeps it.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        take: Executable,
+        held: Executable,
+        release: Executable,
+        params: dict[str, Any] | None = None,
+    ) -> None:
         self.engine = connect(
             conninfo_of(engine), schema=schema_of(engine), pool_size=None
         ).execution_options(isolation_level="AUTOCOMMIT")
-        self.key = probe_lock_key(schema_of(engine), group)
+        self._take, self._held, self._release = take, held, release
+        self.params = params or {}
         self.conn: Connection | None = None
 
     def acquire(self) -> bool:
@@ -179,28 +194,46 @@ class LockConnection:
         with wrap_errors():
             if self.conn is None:
                 self.conn = self.engine.connect()
-            return bool(self.conn.execute(try_session_lock(self.key)).scalar())
+            return bool(self.conn.execute(self._take, self.params).scalar())
 
     def check(self) -> None:
         """Raise `LostLock` unless the connection answers and pg_locks shows the lock."""
         try:
             with wrap_errors():
-                assert self.conn is not None
-                held = self.conn.execute(breaker_sql.lock_held()).scalar()
+                if self.conn is None:
+                    raise LostLock("not connected")
+                held = self.conn.execute(self._held, self.params).scalar()
         except Exception as exc:
             raise LostLock(str(exc)) from exc
         if not held:
-            raise LostLock("the probe lock is no longer held")
+            raise LostLock("the lock is no longer held")
 
     def release(self) -> None:
         """Unlock and close (closing alone would free the lock too)."""
         conn, self.conn = self.conn, None
         if conn is not None:
             with contextlib.suppress(Exception):
-                conn.execute(unlock_session(self.key))
+                conn.execute(self._release, self.params)
             with contextlib.suppress(Exception):
                 conn.close()
         self.engine.dispose()
+
+
+def probe_lock(engine: Engine, group: str) -> SessionLock:
+    """The lock that elects the prober of `group` (DESIGN §6.4)."""
+    key = probe_lock_key(schema_of(engine), group)
+    return SessionLock(engine, try_session_lock(key), breaker_sql.lock_held(), unlock_session(key))
+
+
+def member_lock(engine: Engine, gid: int, member: str) -> SessionLock:
+    """The lock a member's session holds while it runs: its liveness (DESIGN §6.2)."""
+    return SessionLock(
+        engine,
+        member_sql.take_session_lock(),
+        member_sql.session_lock_held(),
+        member_sql.release_session_lock(),
+        {"gid": gid, "member": member, "table": f'"{schema_of(engine)}".member'},
+    )
 
 
 class Listener:

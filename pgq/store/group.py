@@ -58,6 +58,15 @@ def int_array(values: Iterable[int]) -> str:
     return "{" + ",".join(map(str, values)) + "}"
 
 
+def clean_text(text: str | None, limit: int = ERROR_TEXT_MAX) -> str:
+    """Text the database accepts: NUL bytes and lone surrogates escaped, at most
+    `limit` characters."""
+    if not text:
+        return ""
+    text = text[:limit].replace("\x00", "\\x00")
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _lease_params(leases: Iterable[Lease]) -> dict[str, str]:
     leases = list(leases)
     return {
@@ -179,7 +188,7 @@ class GroupStore:
                 "charges": [0 if o.kind == "snooze" else 1 for o in failed],
                 "delays": [o.delay for o in failed],
                 "classes": [o.error_class for o in failed],
-                "errors": [(o.error or "")[:ERROR_TEXT_MAX] for o in failed],
+                "errors": [clean_text(o.error) for o in failed],
                 "epochs": [o.claimed.epoch for o in failed],
             }
             applied |= _leases(run_hot(conn, outcome_sql.record_failures(), params))
@@ -292,8 +301,12 @@ class GroupStore:
 
     # -- membership -----------------------------------------------------------
 
-    def join(self, conn: Connection, ttl: float) -> bool:
-        """Register this member; False when a live member already has the name."""
+    def join(self, conn: Connection, ttl: float, takeover: bool) -> bool:
+        """Register this member; False when a live member already has the name.
+
+        `takeover`: the caller holds the member's session lock (so whoever had the
+        name before is gone); without it, only a row not heard from within `ttl`
+        is taken over."""
         row = conn.execute(
             member_sql.join(),
             {
@@ -302,6 +315,7 @@ class GroupStore:
                 "host": socket.gethostname(),
                 "pid": os.getpid(),
                 "ttl": dt.timedelta(seconds=ttl),
+                "takeover": takeover,
             },
         ).one_or_none()
         return row is not None
@@ -323,14 +337,13 @@ class GroupStore:
         """Mark this member as gone."""
         conn.execute(member_sql.leave(), {"gid": self.gid, "member": self.member})
 
-    def drain_state(self, conn: Connection, ttl: float) -> DrainState:
-        """Rows ready now, waiting for retry, and leased by us or by silent members."""
-        row = (
-            conn.execute(
-                member_sql.drain_state(),
-                {"gid": self.gid, "member": self.member, "ttl": dt.timedelta(seconds=ttl)},
-            )
-            .mappings()
-            .one()
-        )
-        return DrainState(**row)
+    def drain_state(self, conn: Connection, ttl: float, wait: float = 0.0) -> DrainState:
+        """Rows ready now, waiting for retry (and of those, due within `wait` seconds),
+        and leased by us or by members that are not live."""
+        params = {
+            "gid": self.gid,
+            "member": self.member,
+            "ttl": dt.timedelta(seconds=ttl),
+            "wait": dt.timedelta(seconds=wait),
+        }
+        return DrainState(**conn.execute(member_sql.drain_state(), params).mappings().one())

@@ -19,7 +19,8 @@ from sqlalchemy import Engine, func, insert, select, update
 import pgq
 from pgq import schema as t
 from pgq.breaker import group_should_open, trip_threshold
-from pgq.store import GroupStore, group_info
+from pgq.sql.members import take_session_lock
+from pgq.store import GroupStore, group_info, schema_of
 
 
 @dataclass(frozen=True)
@@ -134,15 +135,17 @@ def members(engine: Engine, gid: int, *, live: int, tripped: int) -> Iterator[No
     """While open: `live` live members of `gid`, `tripped` of them tripped at `EPOCH`.
 
     The one place that knows what makes a member live and tripped (as
-    `pgq.sql.breaker._live_members` and `open_on_quorum` define them): live is
-    a heartbeat (`last_seen`) within the TTL by the database clock and not
-    left; tripped is `local_breaker = 'open'` with `tripped_epoch` = the
-    breaker's epoch. If liveness comes to need more (a session lock held by
-    the member, say), hold it here for the duration of the block.
+    `pgq.sql.members.member_live` and `open_on_quorum` define them): live is
+    a heartbeat (`last_seen`) within the TTL by the database clock, not left,
+    and the member's session lock held by some session (here: one connection
+    holds them all for the block); tripped is `local_breaker = 'open'` with
+    `tripped_epoch` = the breaker's epoch.
 
     Members that must not count are added too: live ones whose local breaker
-    tripped under an older epoch or is closed again (live, not tripped), and
-    tripped ones that stopped heartbeating or left (not live).
+    tripped under an older epoch or is closed again (live, not tripped),
+    tripped ones that stopped heartbeating or left (not live, even with their
+    session there), and a tripped one with a fresh heartbeat whose session is
+    gone (a process killed with `kill -9`).
     """
     now = func.now()
     stale = now - dt.timedelta(seconds=2 * TTL)
@@ -154,10 +157,17 @@ def members(engine: Engine, gid: int, *, live: int, tripped: int) -> Iterator[No
         member(gid, "stale-1", last_seen=stale, tripped=True),
         member(gid, "stale-2", last_seen=stale, tripped=True),
         member(gid, "left", last_seen=now, tripped=True, left_at=now),
+        member(gid, "killed", last_seen=now, tripped=True),
     ]
     with engine.begin() as conn:
         conn.execute(insert(t.member).values(rows))
-    yield
+    table = f'"{schema_of(engine)}".member'
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as sessions:
+        for row in rows:
+            if row["name"] != "killed":
+                params = {"gid": gid, "member": row["name"], "table": table}
+                assert sessions.execute(take_session_lock(), params).scalar()
+        yield
 
 
 def member(

@@ -124,14 +124,24 @@ def test_members_liveness_uses_the_database_clock_and_ttl(billing):
                 group_id=gid, name="c", host="h", pid=3, left_at=dt.datetime.now(dt.timezone.utc)
             )
         )
-    rows = st.members(billing, "billing", ttl=10.0)
-    assert [(r["name"], r["live"], r["local_breaker"]) for r in rows] == [
-        ("a", True, "closed"),
-        ("b", False, "open"),
-        ("c", False, "closed"),
-    ]
-    parse(rows[0]["last_seen"])
-    assert st.status(billing, "billing", member_ttl=10.0)["members"] == rows
+        conn.execute(insert(m).values(group_id=gid, name="d", host="h", pid=4))
+    # "a" runs: its session holds its lock; "d" heartbeat is fresh but its process
+    # is gone (no session): killed members stop counting at once
+    session = pgq.store.member_lock(billing, gid, "a")
+    assert session.acquire()
+    try:
+        rows = st.members(billing, "billing", ttl=10.0)
+        assert [(r["name"], r["live"], r["local_breaker"]) for r in rows] == [
+            ("a", True, "closed"),
+            ("b", False, "open"),
+            ("c", False, "closed"),
+            ("d", False, "closed"),
+        ]
+        parse(rows[0]["last_seen"])
+        assert st.status(billing, "billing", member_ttl=10.0)["members"] == rows
+    finally:
+        session.release()
+    assert not st.members(billing, "billing", ttl=10.0)[0]["live"]
 
 
 def test_breaker_history_newest_first(billing):

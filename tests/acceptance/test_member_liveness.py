@@ -1,0 +1,137 @@
+"""A member is live while its process is (DESIGN §6.2, §7; issue 9 defects 8, 10).
+
+`kill -9` ends the member's database session, and with it the session lock that
+makes it live: it stops counting at once, not after `breaker.member_ttl`. These
+tests use the default `member_ttl` (10 s), so none of them passes by waiting it out.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+from helpers import consumer_env, finish, pin_frontier, read_ids, rows, spawn_pgq, wait_until
+
+import pgq
+
+ENV = {"PGQ_LEASE": "2.0", "PGQ_BREAKER_HEARTBEAT": "0.2", "PGQ_POLL_INTERVAL": "0.1"}
+"""Short leases and heartbeats; `member_ttl` stays at its default, 10 s."""
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+
+
+def member(pgq_env, tmp_path, tag: str, *args: str) -> subprocess.Popen[str]:
+    env = consumer_env(pgq_env, tmp_path, TESTQ_TAG=tag, **ENV)
+    return spawn_pgq(env, "consume", "billing", *args)
+
+
+def summary_of(stderr: str) -> dict[str, str]:
+    [line] = [ln for ln in stderr.splitlines() if ln.startswith("handled=")]
+    return dict(word.split("=", 1) for word in line.split())
+
+
+def test_a_killed_member_stops_counting_at_once(orders, pgq_env, tmp_path, procs):
+    a = member(pgq_env, tmp_path, "a", "--handler", "handlers:record", "--name", "a")
+    procs.append(a)
+    wait_until(
+        lambda: [m["live"] for m in pgq.status(orders, "billing")["members"]] == [True],
+        15,
+        "a to join",
+    )
+    os.kill(a.pid, signal.SIGKILL)
+    a.wait(10)
+    killed = time.monotonic()
+    wait_until(
+        lambda: [m["live"] for m in pgq.status(orders, "billing")["members"]] == [False],
+        5,
+        "a to stop counting",
+    )
+    assert time.monotonic() - killed < 5  # well inside member_ttl (10 s)
+
+
+def test_until_empty_right_after_a_kill_finishes_the_victims_rows(orders, pgq_env, tmp_path, procs):
+    pin_frontier(orders, "orders")  # keep the done rows readable
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(12)])
+    a = member(pgq_env, tmp_path, "a", "--handler", "handlers:gated", "--workers", "4")
+    procs.append(a)
+    wait_until(lambda: len(read_ids(tmp_path, "started")) == 4, 15, "a to start 4 handlers")
+    held = {mid for mid, r in rows(orders, "billing").items() if r.state == "leased"}
+    assert len(held) >= 4
+    os.kill(a.pid, signal.SIGKILL)
+    a.wait(10)
+
+    b = member(pgq_env, tmp_path, "b", "--handler", "handlers:record", "--until-empty")
+    procs.append(b)
+    code, _, stderr = finish(b, 30)
+    assert code == 0, stderr
+    assert summary_of(stderr)["stop_reason"] == "empty"
+    assert sorted(read_ids(tmp_path, "handled", "b")) == ids  # a's rows too, once expired
+    found = rows(orders, "billing")
+    assert all(found[mid].state == "done" for mid in ids)
+    assert {mid for mid in ids if found[mid].reclaims == 1} == held
+
+
+def test_a_member_restarted_under_its_name_right_after_a_kill_starts_at_once(
+    orders, pgq_env, tmp_path, procs
+):
+    args = ("--handler", "handlers:record", "--name", "svc")
+    a = member(pgq_env, tmp_path, "a", *args)
+    procs.append(a)
+    wait_until(
+        lambda: [m["live"] for m in pgq.status(orders, "billing")["members"]] == [True],
+        15,
+        "a to join",
+    )
+    os.kill(a.pid, signal.SIGKILL)
+    a.wait(10)
+    pgq.publish(orders, "orders", {"n": 1})
+    b = member(pgq_env, tmp_path, "b", *args, "--until-empty")
+    procs.append(b)
+    code, _, stderr = finish(b, 30)
+    assert code == 0, stderr  # not refused as a duplicate for member_ttl
+    assert "already running" not in stderr
+    assert len(read_ids(tmp_path, "handled", "b")) == 1
+
+
+def test_a_signal_during_start_up_is_honoured(orders, pgq_env, tmp_path, procs):
+    """Defect 8: the database is not there yet; SIGTERM must end the run, not be lost."""
+    env = consumer_env({**pgq_env, "PGQ_DSN": "postgresql://postgres@127.0.0.1:1/x"}, tmp_path)
+    log = tmp_path / "start.log"
+    proc = spawn_pgq(env, "consume", "billing", "--handler", "handlers:record", log=log)
+    procs.append(proc)
+    wait_until(
+        lambda: "database unavailable at start" in log.read_text(), 15, "it to wait for the db"
+    )
+    proc.send_signal(signal.SIGTERM)
+    code, _, _ = finish(proc, 10)
+    assert code == 0, log.read_text()
+    assert "stop_reason=signal" in log.read_text()
+
+
+def test_wait_retries_from_the_command_line(orders, pgq_env, tmp_path, procs):
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(3)])
+    env = consumer_env(pgq_env, tmp_path, **ENV)
+    drain = ("consume", "billing", "--handler", "handlers:snooze_once", "--until-empty")
+    code, _, stderr = finish(spawn_pgq(env, *drain, "--wait-retries", "10s"), 30)
+    assert code == 0, stderr
+    assert summary_of(stderr)["waiting_retry"] == "0"
+    assert sorted(read_ids(tmp_path, "handled")) == ids
+
+    code, _, stderr = finish(
+        spawn_pgq(env, "consume", "billing", "--wait-retries", "5", "--handler", "handlers:record"),
+        30,
+    )
+    assert code == 2, stderr
+    assert "--wait-retries needs --until-empty" in stderr

@@ -1,0 +1,324 @@
+"""Delivery faults of the consumer itself (issue 9): stale outcomes, outcomes the
+database refuses, interrupted runs, early stops, waiting for retries.
+
+Each test drives a real `Consumer` against the real database; what another member
+or a crash would do to a row is done with the statements such a member runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+
+import pytest
+from helpers import FAST, pin_frontier, rows, states, wait_until
+from sqlalchemy import Engine, text
+
+import pgq
+
+WAIT = 30.0
+
+
+def _reclaim_as_another_member(engine: Engine, schema: str, mid: int) -> None:
+    """What another member's sweep does to an expired lease: ready again, one reclaim."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                f"UPDATE \"{schema}\".delivery SET state = 'ready', lease_owner = NULL,"
+                " lease_expires_at = NULL, reclaims = reclaims + 1, available_at = now()"
+                " WHERE message_id = :id"
+            ),
+            {"id": mid},
+        )
+
+
+def test_a_stale_outcome_does_not_drop_the_members_newer_lease(orders, schema):
+    """Defect 4: a member whose row was reclaimed re-claims it; its stale outcome is
+    refused, and that must not drop its newer lease (which then stops being
+    extended, expires, is reclaimed again ... until the message dies as `lease`)."""
+    engine = orders
+    pin_frontier(engine, "orders")  # keeps the done row from being pruned
+    mid = pgq.publish(engine, "orders", {"n": 1})
+    starts: list[float] = []
+    second_started = threading.Event()
+
+    def handler(message: pgq.Message) -> None:
+        starts.append(time.monotonic())
+        if len(starts) == 1:
+            # the first attempt outlives its lease: another member reclaims the row,
+            # and this member claims it again before the first attempt returns
+            _reclaim_as_another_member(engine, schema, mid)
+            assert second_started.wait(WAIT)
+            return
+        second_started.set()
+        time.sleep(2.5)  # longer than the lease: only extension keeps it
+
+    consumer = pgq.Consumer(
+        engine, "billing", handler, workers=2, lease=1.0, max_reclaims=3, **FAST
+    )
+    consumer.start()
+    try:
+        wait_until(
+            lambda: rows(engine, "billing")[mid].state in ("done", "dead"),
+            WAIT,
+            "the message to be resolved",
+        )
+    finally:
+        summary = consumer.stop(timeout=10)
+    row = rows(engine, "billing")[mid]
+    assert (row.state, row.reclaims) == ("done", 1), (row.state, row.reclaims, row.last_error)
+    assert len(starts) == 2
+    assert (summary.done, summary.refused) == (1, 1)
+
+
+def test_outcomes_the_database_refuses_do_not_take_the_batch_with_them(orders):
+    """Defect 6: a NUL byte or a lone surrogate in an error text, a non-finite snooze:
+    the acker writes the rest of the batch and records those attempts sanely."""
+    engine = orders
+    bad = {
+        "nul": ValueError("bad\x00text"),
+        "surrogate": ValueError("bad \udc80 text"),
+        "inf": pgq.RetryLater(float("inf")),
+        "nan": pgq.RetryLater(float("nan")),
+    }
+    pin_frontier(engine, "orders")
+    ids = pgq.publish_many(engine, "orders", [{"kind": k} for k in bad] + [{"kind": "ok"}] * 10)
+
+    def handler(message: pgq.Message) -> None:
+        kind = message.payload["kind"]
+        if kind != "ok":
+            raise bad[kind]
+
+    consumer = pgq.Consumer(engine, "billing", handler, workers=4, max_attempts=1, **FAST)
+    summary = consumer.run(until_empty=True, max_runtime=WAIT)
+    assert summary.stop_reason == "empty"
+    assert consumer.clean
+    found = rows(engine, "billing")
+    for mid in ids[4:]:
+        assert (found[mid].state, found[mid].attempts) == ("done", 1)
+    by_kind = dict(zip(bad, ids[:4], strict=True))
+    for kind, mid in by_kind.items():
+        assert (found[mid].state, found[mid].error_class) == ("dead", "message"), kind
+    assert "\\x00" in found[by_kind["nul"]].last_error
+    assert "\\udc80" in found[by_kind["surrogate"]].last_error
+    assert "RetryLater" in found[by_kind["inf"]].last_error
+    assert "inf" in found[by_kind["inf"]].last_error
+    assert "nan" in found[by_kind["nan"]].last_error
+
+
+def _raise_in(thread: threading.Thread, exc: type[BaseException]) -> None:
+    ident = thread.ident
+    assert ident is not None
+    done = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc))
+    assert done == 1
+
+
+def test_an_exception_in_the_run_thread_shuts_the_member_down_then_propagates(orders):
+    """Defect 9: KeyboardInterrupt (or an orchestrator's cancellation) in the thread
+    blocked in `run()` must release buffered rows, leave the group, and re-raise."""
+    engine = orders
+    pin_frontier(engine, "orders")  # one more ready row, waiting for an hour
+    pgq.publish_many(engine, "orders", [{"n": i} for i in range(20)])
+    started = threading.Event()
+    release = threading.Event()
+
+    def handler(message: pgq.Message) -> None:
+        started.set()
+        assert release.wait(WAIT)
+
+    consumer = pgq.Consumer(engine, "billing", handler, workers=1, prefetch=4, **FAST)
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            consumer.run()
+        except BaseException as exc:
+            raised.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    assert started.wait(WAIT)
+    wait_until(lambda: states(engine, "billing")["leased"] >= 3, WAIT, "buffered rows")
+    _raise_in(runner, KeyboardInterrupt)
+    threading.Timer(0.5, release.set).start()  # the running handler finishes in the grace
+    runner.join(WAIT)
+    assert not runner.is_alive()
+    assert [type(e) for e in raised] == [KeyboardInterrupt]
+    counts = states(engine, "billing")
+    assert (counts["leased"], counts["done"], counts["ready"]) == (0, 1, 20)
+    status = pgq.status(engine, "billing", member_ttl=FAST["breaker_member_ttl"])
+    assert [m["live"] for m in status["members"]] == [False]
+    assert status["totals"]["released"] >= 3
+    assert consumer.stop().done == 1  # after the shutdown, stop() only reports
+
+
+def test_a_stop_asked_for_while_starting_is_honoured(pg_dsn, schema):
+    """Defect 8: a stop asked for while the member is still starting (here: waiting
+    for an unreachable database) ends the run instead of being forgotten."""
+    engine = pgq.connect("postgresql://postgres@127.0.0.1:1/none", schema=schema)
+    consumer = pgq.Consumer(engine, "billing", lambda m: None, **FAST)
+    result: list[pgq.RunSummary] = []
+    runner = threading.Thread(target=lambda: result.append(consumer.run()))
+    runner.start()
+    time.sleep(0.3)  # it is retrying the unreachable database now
+    consumer.request_stop()
+    runner.join(10)
+    assert not runner.is_alive(), "the run went on after the stop"
+    assert result[0].stop_reason == "signal"
+
+
+def test_wait_retries_waits_for_retries_due_within_it(orders):
+    """`run(until_empty=True, wait_retries=S)` also finishes retries that come due
+    within S seconds; without it they are left for a later run."""
+    engine = orders
+    failed: set[int] = set()
+
+    def handler(message: pgq.Message) -> None:
+        if message.id not in failed:
+            failed.add(message.id)
+            raise pgq.RetryLater(0.5)
+
+    pin_frontier(engine, "orders")  # waiting an hour: outside any window here
+    ids = pgq.publish_many(engine, "orders", [{"n": i} for i in range(3)])
+    first = pgq.Consumer(engine, "billing", handler, **FAST).run(until_empty=True)
+    assert (first.done, first.waiting_retry) == (0, 3 + 1)
+    ids += pgq.publish_many(engine, "orders", [{"n": i} for i in range(3)])
+    again = pgq.Consumer(engine, "billing", handler, **FAST)
+    summary = again.run(until_empty=True, wait_retries=5.0)
+    assert summary.stop_reason == "empty"
+    assert (summary.done, summary.waiting_retry) == (6, 0 + 1)
+    found = rows(engine, "billing")
+    assert {found[mid].state for mid in ids} == {"done"}
+
+
+def test_wait_retries_is_bounded(orders):
+    """A retry due after the window is left for a later run."""
+    engine = orders
+
+    def handler(message: pgq.Message) -> None:
+        raise pgq.RetryLater(60)
+
+    pgq.publish(engine, "orders", {"n": 1})
+    started = time.monotonic()
+    summary = pgq.Consumer(engine, "billing", handler, **FAST).run(
+        until_empty=True, wait_retries=1.0
+    )
+    assert (summary.stop_reason, summary.waiting_retry) == ("empty", 1)
+    assert time.monotonic() - started < 10
+
+
+def test_wait_retries_must_be_a_sane_number(orders):
+    consumer = pgq.Consumer(orders, "billing", lambda m: None, **FAST)
+    for bad in (-1.0, float("inf"), float("nan"), 1e300):
+        with pytest.raises(pgq.UsageError, match="wait_retries"):
+            consumer.run(until_empty=True, wait_retries=bad)
+
+
+def test_rows_a_release_could_not_hand_back_are_released_when_the_database_returns(
+    orders, pg_dsn, schema
+):
+    """Defect 5: the local breaker trips while the database is away, so releasing the
+    buffered rows fails. Those rows must not stay held (extended for the member's
+    lifetime while nobody runs them): they go back once the database is back."""
+    from chaos.proxy import Proxy
+
+    engine = orders
+    # one running and four buffered: the pool is full, nothing is left to claim
+    ids = pgq.publish_many(engine, "orders", [{"n": i} for i in range(5)])
+    failures: list[int] = []
+    with Proxy.for_dsn(pg_dsn) as proxy:
+        through = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
+
+        def handler(message: pgq.Message) -> None:
+            failures.append(message.id)
+            if len(failures) == 2:  # the trip comes with the database gone
+                time.sleep(1.0)  # the fetcher found nothing to claim and waits to poll
+                proxy.refuse()
+                proxy.cut()
+            raise pgq.SystemicError("dependency down")
+
+        consumer = pgq.Consumer(
+            through,
+            "billing",
+            handler,
+            workers=1,
+            prefetch=4,
+            lease=3.0,
+            breaker_window=2,
+            breaker_min_calls=2,
+            breaker_failure_rate=1.0,
+            breaker_open_for=60.0,
+            breaker_open_for_max=60.0,
+            **{**FAST, "poll_interval": 4.0},
+        )
+        consumer.start()
+        try:
+            wait_until(lambda: len(failures) == 2, WAIT, "two systemic failures")
+            time.sleep(5.0)  # the fetcher wakes from its poll and its release fails
+            proxy.allow()
+            unstarted = set(ids) - set(failures)
+
+            def released() -> bool:
+                found = rows(engine, "billing")
+                return all(found[mid].state == "ready" for mid in unstarted)
+
+            wait_until(
+                released,
+                10,
+                "the buffered rows to be released",
+                describe=lambda: {m: r.state for m, r in rows(engine, "billing").items()},
+            )
+            found = rows(engine, "billing")
+            assert all((found[m].attempts, found[m].reclaims) == (0, 0) for m in unstarted)
+        finally:
+            consumer.stop(timeout=5)
+            through.dispose()
+
+
+def test_a_second_signal_releases_buffered_rows_and_writes_finished_outcomes(orders, schema):
+    """Defect 12: `abort()` (the second signal) must not leave finished outcomes
+    unwritten or buffered rows leased: it writes and releases what it can at once."""
+    engine = orders
+    pin_frontier(engine, "orders")
+    pgq.publish_many(engine, "orders", [{"n": i} for i in range(12)])
+    blocker = engine.connect()
+    tx = blocker.begin()
+    first_running, first_locked, gate = threading.Event(), threading.Event(), threading.Event()
+    handled: list[int] = []
+
+    def handler(message: pgq.Message) -> None:
+        handled.append(message.id)
+        if len(handled) == 1:
+            first_running.set()
+            assert first_locked.wait(WAIT)  # its outcome's write will wait on the lock
+        elif len(handled) <= 3:
+            time.sleep(0.2)  # finish after the acker took the first outcome alone
+        else:
+            assert gate.wait(WAIT)
+
+    consumer = pgq.Consumer(engine, "billing", handler, workers=1, prefetch=4, **FAST)
+    consumer.start()
+    try:
+        assert first_running.wait(WAIT)
+        blocker.execute(
+            text(f'SELECT 1 FROM "{schema}".delivery WHERE message_id = :id FOR UPDATE'),
+            {"id": handled[0]},
+        )
+        first_locked.set()
+        wait_until(lambda: len(handled) == 4, WAIT, "three outcomes and a running handler")
+        leased = [mid for mid, r in rows(engine, "billing").items() if r.state == "leased"]
+        buffered = [mid for mid in leased if mid not in handled]
+        assert buffered
+        consumer.abort()
+        # what a process exiting right after the second signal leaves behind
+        found = rows(engine, "billing")
+        assert found[handled[0]].state == "leased"  # its write still waits on our lock
+        done = [mid for mid in handled[1:3] if found[mid].state == "done"]
+        assert done == handled[1:3], {m: found[m].state for m in handled}
+        assert all(found[mid].state == "ready" for mid in buffered)
+    finally:
+        gate.set()
+        tx.rollback()
+        blocker.close()
+        consumer.stop(timeout=5)
