@@ -145,15 +145,20 @@ def message_ids(engine: Engine, topic: str) -> set[int]:
 def retention_pass(
     engine: Engine, topic: str, retention: float = 0.0, batch: int = 1000, max_batches: int = 20
 ) -> list[int]:
-    """Run pgq's retention statement for `topic` until it deletes nothing; the deleted ids."""
+    """Run pgq's retention for `topic` until it deletes nothing; the deleted ids.
+
+    The same two statements as `GroupStore.expire_messages` (the topic lock, then
+    the delete), kept here because the checker needs the ids, not only a count.
+    """
     import datetime as dt
 
-    from pgq.sql.frontier import delete_expired_messages
+    from pgq.sql.frontier import delete_expired_messages, lock_topic_for_retention
 
     tid = topic_id(engine, topic)
     deleted: list[int] = []
     for _ in range(max_batches):
         with engine.begin() as conn:
+            conn.execute(lock_topic_for_retention(), {"topic_id": tid})
             got = conn.execute(
                 delete_expired_messages(),
                 {"topic_id": tid, "retention": dt.timedelta(seconds=retention), "limit": batch},

@@ -61,9 +61,9 @@ REPORTS: list[str] = []
 
 def publish(report: str) -> None:
     """Show `report` in the terminal summary of this pytest run, and append it to the
-    file `$PGQ_CHAOS_REPORT` when that is set (for notes after long runs)."""
+    file `$CHAOSQ_REPORT` when that is set (for notes after long runs)."""
     REPORTS.append(report)
-    path = os.environ.get("PGQ_CHAOS_REPORT")
+    path = os.environ.get("CHAOSQ_REPORT")
     if path:
         with open(path, "a") as f:
             f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\n{report}\n\n")

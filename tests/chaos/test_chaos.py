@@ -4,12 +4,12 @@ drain and the history checker: nothing lost, every duplicate explained.
 
 Each 12 s cycle kills one member (and restarts it under its name at once),
 pauses another past its lease, and cuts every connection through the proxy.
-`PGQ_CHAOS_SECONDS` sets how long the chaos lasts (default 12 s, one cycle; the
+`CHAOSQ_SECONDS` sets how long the chaos lasts (default 12 s, one cycle; the
 whole test stays under a minute). Longer runs repeat the cycle, rotating the
 victims, e.g.
-`PGQ_CHAOS_SECONDS=600 pytest tests/chaos/test_chaos.py -s` for ten minutes.
+`CHAOSQ_SECONDS=600 pytest tests/chaos/test_chaos.py -s` for ten minutes.
 The checker's summary is printed in pytest's terminal summary ("chaos history"),
-and appended to the file `$PGQ_CHAOS_REPORT` when that is set.
+and appended to the file `$CHAOSQ_REPORT` when that is set.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from .handlers import AttemptLog
 from .procs import CHAOS_SETTINGS, Member, Members
 from .proxy import Proxy
 
-SECONDS = float(os.environ.get("PGQ_CHAOS_SECONDS") or 12)
+SECONDS = float(os.environ.get("CHAOSQ_SECONDS") or 12)
 """How long the chaos lasts."""
 
 CYCLE = min(12.0, SECONDS)
