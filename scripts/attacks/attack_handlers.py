@@ -38,8 +38,8 @@ class Throttled(pgq.RetryLater):
     """A RetryLater subclass that computes its delay lazily (a property)."""
 
     def __init__(self, retry_after_header):
-        super().__init__(0)
         self.header = retry_after_header
+        super().__init__(0, f"throttled, retry after {retry_after_header}")
 
     @property
     def delay(self):  # the header as given: "120"
