@@ -26,17 +26,21 @@ from pgq.errors import BadDsn, DatabaseUnavailable, DuplicateMember, UsageError
 from pgq.names import check_member_name, check_name
 from pgq.records import GroupInfo, Message, RunSummary, StopReason
 from pgq.settings import Settings, load_settings
-from pgq.store import GroupStore, group_info, member_lock, run_once
+from pgq.store import GroupStore, group_info, member_engine, member_lock, run_once
 
 logger = logging.getLogger("pgq.consumer")
 
 MAX_WAIT_RETRIES = 30 * 86400.0
 """The longest `wait_retries`: 30 days, like the longest snooze."""
 
-CONNECTIONS_NEEDED = 7
-"""Pooled connections one member may use at once: fetcher, acker, heartbeat,
-maintenance, prober, and short ones (start, the final pass). LISTEN and the
-probe lock use their own connections outside the pool."""
+CONNECTIONS = 7
+"""The member's own pool: fetcher, acker, heartbeat, maintenance, prober, and
+short ones (the final pass, an abort). LISTEN and the session locks use
+connections of their own outside the pool."""
+
+IDLE_IN_TRANSACTION_MIN = 5.0
+"""The least `idle_in_transaction_session_timeout` of a member's sessions (the
+timeout is `lease`, but no less): long enough for a process that is merely slow."""
 
 
 def default_member_name() -> str:
@@ -155,13 +159,17 @@ class Consumer:
         if not 0 <= wait_retries <= MAX_WAIT_RETRIES:  # NaN fails too
             raise UsageError("wait_retries must be from 0 to 30 days (in seconds)")
         s = self.settings
-        self._check_pool()
         info = self._group_info(until_empty)
         if info is None:
             return
+        engine = member_engine(
+            self.engine,
+            idle_in_transaction=max(IDLE_IN_TRANSACTION_MIN, s.lease),
+            connections=CONNECTIONS,
+        )
         store = GroupStore(info.id, self.group, info.topic, self.name, s.lease, s.max_reclaims)
         member = Member(
-            engine=self.engine,
+            engine=engine,
             settings=s,
             store=store,
             handling=self.handling,
@@ -171,10 +179,10 @@ class Consumer:
             max_messages=max_messages,
             wait_retries=wait_retries,
         )
-        session = member_lock(self.engine, info.id, self.name)
+        session = member_lock(engine, info.id, self.name)
         try:
             held = session.acquire()
-            if not run_once(self.engine, store.join, s.breaker_member_ttl, held):
+            if not run_once(engine, store.join, s.breaker_member_ttl, held):
                 raise DuplicateMember(
                     f"a live member named {self.name!r} is already running in group {self.group!r}"
                 )
@@ -185,9 +193,10 @@ class Consumer:
                     self.name,
                 )
             gate = Gate(s, self.clock)
-            view = run_once(self.engine, store.breaker)
+            view = run_once(engine, store.breaker)
         except BaseException:
             session.release()
+            engine.dispose()
             raise
         gate.see_group(view.state, view.epoch)
         runtime = Runtime(member, gate, session, self.clock)
@@ -273,18 +282,6 @@ class Consumer:
                 "member left group=%s member=%s summary=%s", self.group, self.name, self._summary
             )
         return self._summary
-
-    def _check_pool(self) -> None:
-        """Warn when the engine's pool cannot hold what a member uses at once."""
-        pool = self.engine.pool
-        size = getattr(pool, "size", None)
-        overflow = getattr(pool, "_max_overflow", -1)
-        if callable(size) and overflow >= 0 and size() + overflow < CONNECTIONS_NEEDED:
-            logger.warning(
-                "engine pool too small pool=%d needed=%d: threads will wait for connections",
-                size() + overflow,
-                CONNECTIONS_NEEDED,
-            )
 
     def _group_info(self, until_empty: bool) -> GroupInfo | None:
         """The group, waiting out an unreachable database (bounded by `lease` with

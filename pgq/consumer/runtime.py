@@ -129,6 +129,7 @@ class Runtime:
             return self._final_pass()
         finally:
             self.session.release()
+            m.engine.dispose()
 
     def _final_pass(self) -> int:
         """Advance the frontier, leave the group; return rows waiting for a retry."""

@@ -120,3 +120,21 @@ def with_connect_timeout(dsn: str, seconds: int) -> str:
     if "connect_timeout" in params or os.environ.get("PGCONNECT_TIMEOUT"):
         return dsn
     return psycopg.conninfo.make_conninfo(dsn, connect_timeout=seconds)
+
+
+def member_engine(engine: Engine, *, idle_in_transaction: float, connections: int) -> Engine:
+    """The engine a consumer member runs its own connections on (same server and
+    schema as `engine`, its own pool of `connections`).
+
+    Its sessions end any transaction left idle for `idle_in_transaction` seconds
+    (`idle_in_transaction_session_timeout`): a member process paused between two
+    statements of a transaction (SIGSTOP, a stalled host) would otherwise hold its
+    row locks for as long as it is paused, and the other members' claims, sweeps
+    and counters would skip or wait for those rows. pgq's own transactions never
+    idle: their statements follow one another at once.
+    """
+    params = psycopg.conninfo.conninfo_to_dict(conninfo_of(engine))
+    timeout = f"-c idle_in_transaction_session_timeout={max(1, round(idle_in_transaction * 1000))}"
+    params["options"] = f"{params.get('options') or ''} {timeout}".strip()
+    conninfo = psycopg.conninfo.make_conninfo("", **params)
+    return connect(conninfo, schema=schema_of(engine), pool_size=connections)

@@ -322,3 +322,32 @@ def test_a_second_signal_releases_buffered_rows_and_writes_finished_outcomes(ord
         tx.rollback()
         blocker.close()
         consumer.stop(timeout=5)
+
+
+def test_a_member_transaction_left_idle_gives_its_locks_back(orders, schema):
+    """Defect 11's cause: a member paused (SIGSTOP) between two statements of a
+    transaction held its row locks for as long as it was paused, so the other
+    members' sweeps skipped those rows and `--until-empty` waited for ever. A
+    member's own sessions end a transaction left idle (`lease`, at least 5 s)."""
+    engine = orders
+    mid = pgq.publish(engine, "orders", {"n": 1})
+    member = pgq.store.member_engine(engine, idle_in_transaction=1.0, connections=1)
+    lock = text(f'SELECT 1 FROM "{schema}".delivery WHERE message_id = :id FOR UPDATE')
+    paused = member.connect()
+    paused.begin()
+    paused.execute(lock, {"id": mid})  # ... and the process is paused here
+    try:
+        with engine.connect() as other:
+
+            def row_free() -> bool:
+                with other.begin():
+                    nowait = text(f"{lock.text} SKIP LOCKED")
+                    return other.execute(nowait, {"id": mid}).first() is not None
+
+            assert not row_free()
+            wait_until(row_free, 10, "the idle transaction to end")
+        with pytest.raises(pgq.DatabaseUnavailable), pgq.store.wrap_errors():
+            paused.execute(text("SELECT 1"))
+    finally:
+        paused.invalidate()
+        member.dispose()
