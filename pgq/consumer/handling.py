@@ -43,21 +43,39 @@ class Handling:
             self.handler(row.message)
         except BaseException as exc:  # a handler's SystemExit must not kill the thread
             outcome = self.failure(row, exc)
-            logger.debug("handler failed id=%d outcome=%s error=%r", row.id, outcome.kind, exc)
+            logger.debug("handler failed id=%d outcome=%s", row.id, outcome.kind)
             return outcome
         return Outcome(row, "done")
 
     def failure(self, row: Claimed, exc: BaseException) -> Outcome:
-        """The outcome of an attempt on `row` that raised `exc`: snooze, retry or dead."""
-        error_class = None
+        """The outcome of an attempt on `row` that raised `exc`: snooze, retry or dead.
+
+        Never raises: an exception that cannot be read or classified (its attributes
+        raise, its delay is no number) fails the attempt as `message`, saying so.
+        """
+        try:
+            return self._failure(row, exc)
+        except Exception as broken:
+            text = (
+                f"{_name_of(exc)}: the failure could not be classified"
+                f" ({_name_of(broken)}: {_text_of(broken)})"
+            )
+            return self._charged(row, "message", text)
+
+    def _failure(self, row: Claimed, exc: BaseException) -> Outcome:
         if isinstance(exc, RetryLater):
-            if math.isfinite(exc.delay) and 0.0 <= exc.delay <= MAX_SNOOZE:
-                return Outcome(row, "snooze", delay=exc.delay)
-            error_class = "message"
-            text = f"RetryLater: delay must be finite, from 0 to 30 days; got {exc.delay!r}"
-        else:
-            text = f"{type(exc).__name__}: {_text_of(exc)}"
-        error_class = error_class or self.classify(exc)
+            delay = _number(exc.delay)
+            if delay is not None and 0.0 <= delay <= MAX_SNOOZE:
+                return Outcome(row, "snooze", delay=delay)
+            text = (
+                "RetryLater: delay must be a finite number of seconds from 0 to 30 days;"
+                f" got {_repr_of(exc.delay)}"
+            )
+            return self._charged(row, "message", text)
+        return self._charged(row, self.classify(exc), f"{_name_of(exc)}: {_text_of(exc)}")
+
+    def _charged(self, row: Claimed, error_class: str, text: str) -> Outcome:
+        """A finished, failed attempt: a retry with backoff, or dead."""
         finished = row.attempts + 1
         s = self.settings
         if error_class == "permanent" or finished >= s.max_attempts:
@@ -72,3 +90,22 @@ def _text_of(exc: BaseException) -> str:
         return str(exc)
     except Exception:
         return "<the exception's text could not be read>"
+
+
+def _name_of(exc: BaseException) -> str:
+    return type(exc).__name__
+
+
+def _number(value: object) -> float | None:
+    """`value` as a finite float, or None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _repr_of(value: object) -> str:
+    try:
+        return repr(value)[:100]
+    except Exception:
+        return f"<a {type(value).__name__}>"

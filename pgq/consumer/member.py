@@ -80,11 +80,15 @@ class Member:
         self.pool.wake()
 
     def crash(self, thread: str) -> None:
-        """A thread died of an unexpected error: log it and stop the whole member."""
-        logger.exception("thread crashed thread=%s member=%s; stopping", thread, self.name)
+        """A thread died of an unexpected error: stop the whole member, then log it
+        (logging a hostile exception can fail too; the stop must not depend on it)."""
         with self.lock:
             self.crashed.append(thread)
         self.request_stop("signal")
+        try:
+            logger.exception("thread crashed thread=%s member=%s; stopping", thread, self.name)
+        except Exception:
+            logger.error("thread crashed thread=%s member=%s; stopping", thread, self.name)
 
     def hold(self, rows: list[Claimed]) -> None:
         """Remember freshly claimed rows (their leases are extended until written)."""

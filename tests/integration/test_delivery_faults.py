@@ -351,3 +351,60 @@ def test_a_member_transaction_left_idle_gives_its_locks_back(orders, schema):
     finally:
         paused.invalidate()
         member.dispose()
+
+
+class _Forwarding(Exception):
+    """An error object forwarding attribute reads to its payload (as RPC client errors
+    often do): reading a missing attribute, dunders included, raises KeyError."""
+
+    def __init__(self, payload: dict[str, object]) -> None:
+        super().__init__("upstream said no")
+        self.payload = payload
+
+    def __getattr__(self, name: str) -> object:
+        return self.__dict__["payload"][name]
+
+
+class _LazyRetry(pgq.RetryLater):
+    """A snooze whose delay is whatever the server's Retry-After header said."""
+
+    def __init__(self, header: object) -> None:
+        self.header = header
+        super().__init__(0, "throttled")
+
+    @property  # type: ignore[override]
+    def delay(self) -> object:
+        return self.header
+
+    @delay.setter
+    def delay(self, value: object) -> None:
+        pass
+
+
+def test_exceptions_that_cannot_be_read_or_classified_fail_as_message(orders):
+    """Found by attack (scripts/attacks/handler_error_getattr_crashes_member.py and
+    retrylater_nonnumeric_delay_crashes_member.py): these crashed the worker, and with
+    it the member, on every member that took the row."""
+    engine = orders
+    pin_frontier(engine, "orders")
+    raised = {
+        "forwarding": _Forwarding({"code": 17}),
+        "header": _LazyRetry("120"),
+        "bool": _LazyRetry(True),
+    }
+    ids = pgq.publish_many(engine, "orders", [{"kind": k} for k in raised] + [{"kind": "ok"}])
+
+    def handler(message: pgq.Message) -> None:
+        kind = message.payload["kind"]
+        if kind != "ok":
+            raise raised[kind]
+
+    consumer = pgq.Consumer(engine, "billing", handler, workers=2, max_attempts=1, **FAST)
+    summary = consumer.run(until_empty=True, max_runtime=WAIT)
+    assert (summary.stop_reason, consumer.clean) == ("empty", True)
+    found = rows(engine, "billing")
+    assert found[ids[-1]].state == "done"
+    for kind, mid in zip(raised, ids, strict=False):
+        assert (found[mid].state, found[mid].error_class) == ("dead", "message"), kind
+    assert "could not be classified" in found[ids[0]].last_error
+    assert "'120'" in found[ids[1]].last_error
