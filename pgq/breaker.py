@@ -172,6 +172,13 @@ class LocalBreaker:
         with self._lock:
             self._in_flight = False
 
+    def forget_window(self) -> None:
+        """Start the window afresh (after a global close). No-op while open."""
+        with self._lock:
+            if not self._open:
+                self._calls.clear()
+                self._systemic = 0
+
     def probe_now(self) -> None:
         """Let the next `try_probe` succeed at once (used after a global close).
 

@@ -108,6 +108,7 @@ class Fetcher(Role):
         m = self.member
         leases = [row.lease for row in rows]
         m.let_go(leases)
+        self.gate.released(rows)
         try:
             released = self.conn.run(m.store.release, leases)
         except PgqError as exc:

@@ -92,8 +92,12 @@ class Gate:
         return max(1, math.ceil(capacity * elapsed / RAMP_SECONDS))
 
     def admit(self, row: Claimed) -> bool:
-        """May this buffered row start an attempt? Probes always may."""
-        return row.probe or not self.is_open()
+        """May this buffered row start an attempt? A local probe may while only the
+        local breaker is open; nothing may while the group is open (its prober's
+        probes are the only traffic then)."""
+        if self.group_open:
+            return False
+        return row.probe or not self.local.is_open
 
     # -- what the threads report ----------------------------------------------------
 
@@ -132,6 +136,12 @@ class Gate:
         """The fetcher found no row for a local probe."""
         self.local.abandon_probe()
 
+    def released(self, rows: list[Claimed]) -> None:
+        """These rows went back unstarted: a local probe among them never ran, so the
+        local breaker may probe again (it would otherwise wait for it for good)."""
+        if any(row.probe for row in rows):
+            self.local.abandon_probe()
+
     def see_group(self, state: str, epoch: int) -> bool:
         """Take in the group state read from the database; True if it changed."""
         with self._lock:
@@ -148,6 +158,8 @@ class Gate:
             self._closed_at = self.clock()
             if self.local.is_open:
                 self.local.probe_now()  # re-verify ourselves at once; the close does not heal us
+            else:
+                self.local.forget_window()  # pre-outage failures do not count again
         self._changed()
         return True
 

@@ -113,3 +113,50 @@ def test_claims_ramp_up_after_a_group_close():
     assert gate.ramp(100) == 50
     clock.now += RAMP_SECONDS
     assert gate.ramp(100) == 100
+
+
+def test_a_local_probe_released_unstarted_lets_the_breaker_probe_again():
+    """Issue 10 #6: the pool is drained when a gate closes; a local probe row among
+    the released rows never ran, and the local breaker must not wait for it for good."""
+    gate, clock, _ = make_gate()
+    gate.observe(systemic(row(1)))
+    gate.observe(systemic(row(2)))
+    clock.advance(1.0)
+    assert gate.claim_mode() == "probe"
+    assert gate.claim_mode() == "closed"  # one probe at a time
+    gate.released([row(3), row(4, probe=True)])
+    assert gate.claim_mode() == "probe"
+
+
+def test_releasing_ordinary_rows_does_not_forget_a_probe_in_flight():
+    gate, clock, _ = make_gate()
+    gate.observe(systemic(row(1)))
+    gate.observe(systemic(row(2)))
+    clock.advance(1.0)
+    assert gate.claim_mode() == "probe"
+    gate.released([row(3)])
+    assert gate.claim_mode() == "closed"
+
+
+def test_pre_outage_failures_do_not_count_after_a_global_close():
+    """Issue 10 #7: a member whose local breaker never tripped starts its window
+    afresh at a global close; one failure under the new epoch must not trip it."""
+    gate, _, _ = make_gate()
+    gate.observe(systemic(row(1)))  # one systemic failure before the outage
+    gate.see_group("OPEN", 1)
+    gate.see_group("CLOSED", 2)
+    gate.observe(systemic(row(2, epoch=2)))
+    assert not gate.local.is_open
+    gate.observe(systemic(row(3, epoch=2)))
+    assert gate.local.is_open  # two failures under the new epoch do
+
+
+def test_no_local_probe_starts_while_the_group_is_open():
+    """Issue 10 (smaller): while the group is OPEN its prober is the only traffic."""
+    gate, clock, _ = make_gate()
+    gate.observe(systemic(row(1)))
+    gate.observe(systemic(row(2)))
+    clock.advance(1.0)
+    assert gate.admit(row(3, probe=True))
+    gate.see_group("OPEN", 1)
+    assert not gate.admit(row(3, probe=True))
