@@ -56,16 +56,26 @@ def claim(limit: int) -> Executable:
     first. Claims nothing while the group breaker is OPEN: the database is the
     last gate, so a member that has not heard of the open yet (it just started,
     its heartbeat is due) cannot take rows either; the prober's probe claim is
-    separate.
+    separate. While a close still owes a reconciliation, skips the rows it owes a
+    refund (systemic, failed within the owed epochs): run first, they would run at
+    a high attempt number and could die early, and no later close would refund
+    them. The reconciler makes them ready again, refunded, batch by batch.
     """
     br = t.breaker
     group_open = (
         select(br.c.group_id).where(br.c.group_id == bindparam("gid"), br.c.state == t.OPEN)
     ).exists()
+    owed_from, owed_to = (
+        select(column).where(br.c.group_id == bindparam("gid")).scalar_subquery()
+        for column in (br.c.reconcile_from_epoch, br.c.reconcile_epoch)
+    )
+    owed = and_(
+        d.c.error_class == t.SYSTEMIC, d.c.error_epoch >= owed_from, d.c.error_epoch < owed_to
+    )
     pick = (
         select(d.c.message_id)
         .where(d.c.group_id == bindparam("gid"), d.c.state == t.READY)
-        .where(d.c.available_at <= func.now(), ~group_open)
+        .where(d.c.available_at <= func.now(), ~group_open, ~func.coalesce(owed, False))
         .order_by(d.c.available_at, d.c.message_id)
         .limit(literal_column(str(int(limit))))
         .with_for_update(skip_locked=True)
