@@ -157,7 +157,7 @@ class Prober(Role):
     def _probe(self, epoch: int) -> Outcome | None:
         """Run one real message as the probe; returns its (written) outcome."""
         m = self.member
-        row = self.conn.run(m.store.claim_probe, epoch)
+        row = self.conn.run(m.store.claim_probe, epoch, m.settings.breaker_max_refunds)
         if row is None:
             return None
         m.hold([row])

@@ -24,6 +24,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    literal_column,
     select,
     table,
     update,
@@ -172,28 +173,66 @@ def close() -> Executable:
     return _recorded(flipped, t.CLOSED)
 
 
-def _probe_pick(where: Any, order: tuple[Any, ...]) -> Executable:
+PROBE_KINDS = ("due", "retry", "dead")
+"""The kinds of probe row, in the order they are tried (DESIGN §6.4): a ready row due
+now, else the ready row whose retry is due soonest, else a dead systemic row under
+the refund cap."""
+
+
+def _probed_here() -> ColumnElement[bool]:
+    """The row was a group probe in this outage (the OPEN epoch `:at_epoch`).
+
+    Derived, not stored: a failure's `error_epoch` is the epoch its attempt was
+    claimed under, and while the group is OPEN the claim statement gives no row
+    out, so the only attempts that can fail under the OPEN epoch are its probes.
+    Such a row's `updated_at` is when its probe's outcome was written (a ready or
+    dead row is not touched again until it is claimed), so it orders the probed
+    rows least recently probed first.
+    """
+    return d.c.error_epoch == bindparam("at_epoch", type_=Integer)
+
+
+@cache
+def claim_probe(kind: str, probed: bool) -> Executable:
+    """Lease one probe row of `kind` (see `PROBE_KINDS`) to `:member` for `:lease`.
+
+    `probed` False takes the rows not yet probed in the outage at `:at_epoch`
+    (in the kind's natural order); True those already probed, least recently
+    probed first. Tried in that order per kind, the probes rotate: one row whose
+    handler fails for itself alone cannot be every probe. Dead rows qualify only
+    while refunded fewer than `:max_refunds` times.
+    """
+    ready = d.c.state == t.READY
+    now = func.now()
+    where: ColumnElement[bool]
+    natural: tuple[Any, ...]
+    if kind == "due":
+        where, natural = and_(ready, d.c.available_at <= now), (d.c.available_at,)
+    elif kind == "retry":
+        where, natural = and_(ready, d.c.available_at > now), (d.c.available_at,)
+    elif kind == "dead":
+        where = and_(
+            d.c.state == t.DEAD,
+            d.c.error_class == t.SYSTEMIC,
+            d.c.refunds < bindparam("max_refunds", type_=Integer),
+        )
+        natural = ()
+    else:
+        raise ValueError(f"unknown probe kind {kind!r}")
+    if probed:
+        where, order = and_(where, _probed_here()), (d.c.updated_at, d.c.message_id)
+    else:
+        where = and_(where, _probed_here().is_not(True))
+        order = (*natural, d.c.message_id)
     pick = (
         select(d.c.message_id)
         .where(d.c.group_id == bindparam("gid"), where)
         .order_by(*order)
-        .limit(1)
+        .limit(literal_column("1"))
         .with_for_update(skip_locked=True)
         .cte("pick")
     )
     return lease_picked(pick)
-
-
-@cache
-def claim_probe_ready() -> Executable:
-    """Lease the probe row: a ready row, the one due soonest (even if not due yet)."""
-    return _probe_pick(d.c.state == t.READY, (d.c.available_at, d.c.message_id))
-
-
-@cache
-def claim_probe_dead() -> Executable:
-    """Lease the probe row when nothing is ready: the oldest dead systemic row."""
-    return _probe_pick(and_(d.c.state == t.DEAD, d.c.error_class == t.SYSTEMIC), (d.c.message_id,))
 
 
 @cache

@@ -104,14 +104,24 @@ class GroupStore:
         params = {"gid": self.gid, "member": self.member, "lease": self.lease}
         return self._claimed(run_hot(conn, claim_sql.claim(limit), params), epoch, probe)
 
-    def claim_probe(self, conn: Connection, epoch: int) -> Claimed | None:
-        """Lease the group probe: a ready row (due soonest), else the oldest dead systemic row."""
-        params = {"gid": self.gid, "member": self.member, "lease": self.lease}
-        rows = conn.execute(breaker_sql.claim_probe_ready(), params).all()
-        if not rows:
-            rows = conn.execute(breaker_sql.claim_probe_dead(), params).all()
-        claimed = self._claimed(rows, epoch, probe=True)
-        return claimed[0] if claimed else None
+    def claim_probe(self, conn: Connection, epoch: int, max_refunds: int) -> Claimed | None:
+        """Lease the group probe of the OPEN `epoch` (DESIGN §6.4): a row due now, else the
+        ready row due soonest, else a dead systemic row under the refund cap; within
+        each kind the rows not yet probed in this outage first, then the least
+        recently probed."""
+        params = {
+            "gid": self.gid,
+            "member": self.member,
+            "lease": self.lease,
+            "at_epoch": epoch,
+            "max_refunds": max_refunds,
+        }
+        for kind in breaker_sql.PROBE_KINDS:
+            for probed in (False, True):
+                rows = conn.execute(breaker_sql.claim_probe(kind, probed), params).all()
+                if rows:
+                    return self._claimed(rows, epoch, probe=True)[0]
+        return None
 
     def probe_done(self, conn: Connection, row: Claimed) -> bool:
         """Write a successful group probe (refunding its systemic charges)."""

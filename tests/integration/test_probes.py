@@ -1,0 +1,150 @@
+"""The group probe against real PostgreSQL with in-process consumers (DESIGN §6.4).
+
+Each test puts the group in the state an outage leaves (OPEN, rows dead or
+waiting) with plain SQL, then runs real `pgq.Consumer`s whose handler plays
+the dependency. Group probes run in the prober's probe thread, so the handler
+tells them from ordinary attempts by its thread name. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from helpers import FAST, rows, wait_until
+from sqlalchemy import Engine
+
+import pgq
+from pgq.consumer.prober import PROBE_THREAD
+
+pytestmark = pytest.mark.slow
+
+SHORT = {
+    **FAST,
+    "workers": 2,
+    "breaker_min_members": 1,
+    "breaker_window": 4,
+    "breaker_min_calls": 4,
+    "breaker_open_for": 0.2,
+    "breaker_open_for_max": 0.4,
+    "breaker_probe_interval": 0.3,
+    "breaker_probe_interval_max": 0.6,
+}
+
+
+@dataclass
+class Probes:
+    """What the handler saw: every group probe as (monotonic time, message id)."""
+
+    calls: list[tuple[float, int]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def note(self, msg: pgq.Message) -> bool:
+        """Record `msg` if it runs as a group probe; True when it does."""
+        if threading.current_thread().name != PROBE_THREAD:
+            return False
+        with self.lock:
+            self.calls.append((time.monotonic(), msg.id))
+        return True
+
+    def ids(self) -> list[int]:
+        with self.lock:
+            return [mid for _, mid in self.calls]
+
+    def times(self) -> list[float]:
+        with self.lock:
+            return [at for at, _ in self.calls]
+
+
+def sql(engine: Engine, statement: str, **params: object) -> None:
+    with engine.begin() as conn:
+        conn.exec_driver_sql(statement, params or None)
+
+
+def open_group(engine: Engine, schema: str, epoch: int = 1) -> None:
+    """The group's breaker OPEN at `epoch`, its first probe due now."""
+    sql(
+        engine,
+        f"UPDATE \"{schema}\".breaker SET state = 'OPEN', epoch = {epoch},"
+        " next_probe_at = now(), probe_failures = 0",
+    )
+
+
+def kill_all_systemic(engine: Engine, schema: str, attempts: int, epoch: int = 0) -> None:
+    """Every row dead of systemic failures (as the outage under `epoch` left it)."""
+    sql(
+        engine,
+        f"UPDATE \"{schema}\".delivery SET state = 'dead', error_class = 'systemic',"
+        f" error_epoch = {epoch}, attempts = {attempts}, refundable_attempts = {attempts},"
+        " last_error = 'ConnectionError: dependency down'",
+    )
+
+
+def breaker_state(engine: Engine) -> str:
+    return str(pgq.status(engine, "g")["breaker"]["state"])
+
+
+@pytest.fixture
+def topic(engine: Engine) -> Engine:
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    return engine
+
+
+@pytest.fixture
+def consumers() -> Iterator[Callable[..., pgq.Consumer]]:
+    """Start in-process consumers of group `g`; all are stopped at the end."""
+    started: list[pgq.Consumer] = []
+
+    def start(engine: Engine, handler: Callable[[pgq.Message], None], **settings: object):
+        consumer = pgq.Consumer(engine, "g", handler, **{**SHORT, **settings})
+        consumer.start()
+        started.append(consumer)
+        return consumer
+
+    yield start
+    for consumer in started:
+        consumer.stop(timeout=10)
+
+
+# -- defect 1: one misclassified poison row cannot keep the group OPEN -----------------
+
+
+def test_misclassified_poison_row_does_not_keep_a_dead_group_open(topic, schema, consumers):
+    """One member, every row dead systemic, and the oldest row raises ConnectionError for
+    itself alone while the dependency is back: probes rotate to another row, and the
+    group closes within a bounded number of probes (before: every probe took the
+    oldest dead row, the poison one, and the group stayed OPEN for good)."""
+    engine = topic
+    cursed = pgq.publish(engine, "t", {"cursed": True})
+    healthy = pgq.publish_many(engine, "t", [{"i": i} for i in range(20)])
+    kill_all_systemic(engine, schema, attempts=2)
+    open_group(engine, schema)
+    probes = Probes()
+
+    def handler(msg: pgq.Message) -> None:
+        probes.note(msg)
+        if msg.payload.get("cursed"):
+            raise ConnectionError("misclassified poison")
+
+    started = time.monotonic()
+    consumers(engine, handler, max_attempts=2, breaker_max_refunds=3)
+    wait_until(
+        lambda: breaker_state(engine) == "CLOSED",
+        20,
+        "the group to close",
+        describe=lambda: (probes.ids(), pgq.status(engine, "g")["breaker"]),
+    )
+    time_to_close = time.monotonic() - started
+    logging.getLogger(__name__).warning("time to close with one poison row: %.2fs", time_to_close)
+    before_close = probes.ids()
+    assert before_close[0] == cursed  # the oldest dead row goes first ...
+    assert len(before_close) <= 2, before_close  # ... and the next probe rotates
+    wait_until(lambda: pgq.status(engine, "g")["lag"] == 0, 30, "the healthy rows to drain")
+    final = rows(engine, "g")
+    assert {mid for mid, r in final.items() if r.state == "dead"} == {cursed}
+    assert all(final[mid].state == "done" for mid in healthy if mid in final)
