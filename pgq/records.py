@@ -115,6 +115,8 @@ class DrainState:
     due_soon: int
     """Rows waiting for a retry that comes due within the wait asked for."""
     held: int
+    reconciling: bool
+    """A close still owes a reconciliation (its refunds are not all made)."""
 
 
 @dataclass(frozen=True, slots=True)

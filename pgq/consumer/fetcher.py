@@ -135,8 +135,9 @@ class Fetcher(Role):
         return True
 
     def _drained(self) -> bool:
-        """True when nothing is ready now and nothing is leased but by other live members
-        (and, with `wait_retries`, no retry comes due within the time left for it)."""
+        """True when nothing is ready now, nothing is leased but by other live members,
+        no reconciliation is owed (this member's prober makes it, or waits for the
+        member making it), and, with `wait_retries`, no retry comes due in time."""
         m = self.member
         if not m.idle() or len(m.pool):
             return False
@@ -154,4 +155,4 @@ class Fetcher(Role):
         if swept.reclaimed:
             m.count_reclaimed(swept.reclaimed)
         waiting = state.ready_now + state.held + state.due_soon
-        return waiting == 0 and m.idle()
+        return waiting == 0 and not state.reconciling and m.idle()

@@ -211,7 +211,8 @@ def drain_state() -> Executable:
 
     Returns (ready now, waiting for a later retry, of those the ones due within
     `:wait`, leased by this member or by members that are not live — rows whose
-    leases must expire and be reclaimed).
+    leases must expire and be reclaimed — and whether a close still owes a
+    reconciliation: the group is not empty until its refunds are made).
     """
     holder_live = (
         select(mb.c.name)
@@ -236,4 +237,8 @@ def drain_state() -> Executable:
             and_(d.c.state == t.LEASED, (d.c.lease_owner == bindparam("member")) | ~holder_live)
         )
         .label("held"),
+        select(br.c.reconcile_epoch.is_not(None))
+        .where(br.c.group_id == bindparam("gid"))
+        .scalar_subquery()
+        .label("reconciling"),
     ).where(d.c.group_id == bindparam("gid"), d.c.state.in_([t.READY, t.LEASED]))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from helpers import FAST
 from sqlalchemy import text
 
 import pgq
@@ -33,3 +34,46 @@ def test_claims_skip_rows_owed_a_refund_until_the_reconciliation_is_done(orders,
     run_once(engine, store.reconcile_done, 3)
     [row] = run_once(engine, store.claim, 10, 3)
     assert (row.id, row.message.attempt) == (owed, 1)
+
+
+def _dead_systemic(engine, schema: str, n: int, *, open_group: bool) -> list[int]:
+    """`n` messages that died of an outage at epoch 1; the group OPEN at epoch 2."""
+    ids = pgq.publish_many(engine, "orders", [{"n": i} for i in range(n)])
+    with engine.begin() as conn:
+        conn.execute(text(f"UPDATE \"{schema}\".breaker SET epoch = 2, state = 'OPEN'"))
+        conn.execute(
+            text(
+                f"UPDATE \"{schema}\".delivery SET state = 'dead', error_class = 'systemic',"
+                " error_epoch = 1, attempts = 5, refundable_attempts = 5, last_error = 'down'"
+            )
+        )
+    if not open_group:  # a prober closed it and died before refunding anything
+        info = group_info(engine, "billing")
+        assert run_once(engine, GroupStore(info.id, "billing", "orders", "p", 30.0, 3).close, 2)
+    return ids
+
+
+def test_a_cron_run_finishes_a_reconciliation_a_dead_prober_left_owed(orders, schema):
+    """Issue 10 #5: CLOSED with a reconciliation owed, `--until-empty` used to exit
+    "empty" at once with every row still dead."""
+    ids = _dead_systemic(orders, schema, 12, open_group=False)
+    summary = pgq.Consumer(orders, "billing", lambda m: None, **FAST).run(
+        until_empty=True, max_runtime=60
+    )
+    assert (summary.stop_reason, summary.done) == ("empty", len(ids))
+    assert pgq.status(orders, "billing")["totals"]["refunded"] == len(ids)
+
+
+def test_a_cron_run_that_closes_the_group_refunds_every_batch_before_it_counts_empty(
+    orders, schema
+):
+    """Issue 10 #5: the run that probed and closed the group used to stop after the
+    first 5,000-row refund batch, leaving the rest dead."""
+    ids = _dead_systemic(orders, schema, 6000, open_group=True)
+    summary = pgq.Consumer(orders, "billing", lambda m: None, **FAST).run(
+        until_empty=True, max_runtime=120
+    )
+    assert summary.stop_reason == "empty"
+    status = pgq.status(orders, "billing")
+    assert (status["breaker"]["state"], status["counts"]["dead"]) == ("CLOSED", 0)
+    assert status["counts"]["done"] == len(ids)
