@@ -175,7 +175,8 @@ def close() -> Executable:
 
 PROBE_KINDS = ("due", "retry", "dead")
 """The kinds of probe row, in the order they are tried (DESIGN §6.4): a ready row due
-now, else the ready row whose retry is due soonest, else a dead systemic row under
+now, else the ready row whose systemic retry is due soonest (only those may be probed
+ahead of their time, never a row the user scheduled), else a dead systemic row under
 the refund cap."""
 
 
@@ -209,7 +210,10 @@ def claim_probe(kind: str, probed: bool) -> Executable:
     if kind == "due":
         where, natural = and_(ready, d.c.available_at <= now), (d.c.available_at,)
     elif kind == "retry":
-        where, natural = and_(ready, d.c.available_at > now), (d.c.available_at,)
+        # only a systemic retry may be probed ahead of its time: a row the user
+        # scheduled (`delay=`, `RetryLater`) or a message failure's retry keeps it
+        where = and_(ready, d.c.available_at > now, d.c.error_class == t.SYSTEMIC)
+        natural = (d.c.available_at,)
     elif kind == "dead":
         where = and_(
             d.c.state == t.DEAD,

@@ -106,7 +106,7 @@ class GroupStore:
 
     def claim_probe(self, conn: Connection, epoch: int, max_refunds: int) -> Claimed | None:
         """Lease the group probe of the OPEN `epoch` (DESIGN §6.4): a row due now, else the
-        ready row due soonest, else a dead systemic row under the refund cap; within
+        systemic retry due soonest, else a dead systemic row under the refund cap; within
         each kind the rows not yet probed in this outage first, then the least
         recently probed."""
         params = {

@@ -144,7 +144,59 @@ def test_misclassified_poison_row_does_not_keep_a_dead_group_open(topic, schema,
     before_close = probes.ids()
     assert before_close[0] == cursed  # the oldest dead row goes first ...
     assert len(before_close) <= 2, before_close  # ... and the next probe rotates
-    wait_until(lambda: pgq.status(engine, "g")["lag"] == 0, 30, "the healthy rows to drain")
+
+    def drained() -> bool:
+        dead = {mid for mid, r in rows(engine, "g").items() if r.state == "dead"}
+        return dead == {cursed} and pgq.status(engine, "g")["lag"] == 0
+
+    wait_until(drained, 30, "the healthy rows to be refunded and drained")
     final = rows(engine, "g")
-    assert {mid for mid, r in final.items() if r.state == "dead"} == {cursed}
     assert all(final[mid].state == "done" for mid in healthy if mid in final)
+
+
+# -- defect 4: rows the user scheduled are never probed before their time ---------------
+
+
+def test_delayed_and_snoozed_rows_are_not_probed_before_their_time(topic, schema, consumers):
+    """While the group is OPEN and the dependency down, the probes take the systemic
+    retry (ahead of its time: that is allowed) and never a row scheduled by the user
+    (before: the probe took the ready row due soonest, whatever scheduled it)."""
+    engine = topic
+    delayed = pgq.publish(engine, "t", {"delayed": True}, delay=3600)
+    snoozed, snoozed_after_failure, retry = pgq.publish_many(engine, "t", [{}, {}, {}])
+    # snoozed by RetryLater(3600): no charge, the error class kept (none, or 'message')
+    sql(
+        engine,
+        f"UPDATE \"{schema}\".delivery SET available_at = now() + interval '1 hour'"
+        f" WHERE message_id = {snoozed}",
+    )
+    sql(
+        engine,
+        f"UPDATE \"{schema}\".delivery SET available_at = now() + interval '1 hour',"
+        f" attempts = 1, error_class = 'message', error_epoch = 0, last_error = 'ValueError'"
+        f" WHERE message_id = {snoozed_after_failure}",
+    )
+    # a systemic retry, due later than the user's rows
+    sql(
+        engine,
+        f"UPDATE \"{schema}\".delivery SET available_at = now() + interval '2 hours',"
+        " attempts = 1, refundable_attempts = 1, error_class = 'systemic', error_epoch = 0,"
+        f" last_error = 'ConnectionError' WHERE message_id = {retry}",
+    )
+    open_group(engine, schema)
+    probes = Probes()
+
+    def handler(msg: pgq.Message) -> None:
+        probes.note(msg)
+        raise ConnectionError("dependency down")
+
+    consumers(engine, handler, max_attempts=20)
+    wait_until(lambda: len(probes.ids()) >= 3, 20, "three probes", describe=probes.ids)
+    assert set(probes.ids()) == {retry}
+    assert breaker_state(engine) == "OPEN"
+    final = rows(engine, "g")
+    for mid in (delayed, snoozed, snoozed_after_failure):
+        assert (final[mid].state, final[mid].attempts) == (
+            "ready",
+            0 if mid != snoozed_after_failure else 1,
+        )
