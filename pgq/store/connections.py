@@ -129,13 +129,9 @@ def run_once(engine: Engine, fn: Callable[..., T], *args: Any) -> T:
 _compiled: dict[tuple[int, str], tuple[str, dict[str, Any]]] = {}
 
 
-def run_hot(conn: Connection, stmt: Executable, params: dict[str, Any]) -> list[Any]:
-    """Run a hot-path statement on the connection's psycopg cursor.
-
-    The Core statement is compiled once per schema (with the schema rendered
-    in), so each call skips SQLAlchemy's per-execution work; it still runs in
-    the SQLAlchemy connection's transaction. Returns the rows as tuples.
-    """
+def driver_sql(conn: Connection, stmt: Executable) -> tuple[str, dict[str, Any]]:
+    """`stmt` compiled once per schema for the driver: its SQL (the schema rendered
+    in) and its default parameters."""
     schema = schema_of(conn)
     key = (id(stmt), schema)
     hit = _compiled.get(key)
@@ -146,7 +142,17 @@ def run_hot(conn: Connection, stmt: Executable, params: dict[str, Any]) -> list[
             render_schema_translate=True,
         )
         hit = _compiled[key] = (compiled.string, dict(compiled.params))
-    sql, defaults = hit
+    return hit
+
+
+def run_hot(conn: Connection, stmt: Executable, params: dict[str, Any]) -> list[Any]:
+    """Run a hot-path statement on the connection's psycopg cursor.
+
+    The Core statement is compiled once per schema (`driver_sql`), so each call
+    skips SQLAlchemy's per-execution work; it still runs in the SQLAlchemy
+    connection's transaction. Returns the rows as tuples.
+    """
+    sql, defaults = driver_sql(conn, stmt)
     driver = conn.connection.driver_connection
     assert driver is not None
     with driver.cursor() as cur:

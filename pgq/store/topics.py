@@ -6,17 +6,16 @@ import contextlib
 import datetime as dt
 import json
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import psycopg
 from sqlalchemy import Connection, Engine
-from sqlalchemy.sql import ClauseElement, Executable
 
 from pgq.errors import InvalidPayload, UnknownGroup, UnknownTopic, UsageError
 from pgq.names import check_name
 from pgq.records import GroupInfo
-from pgq.schema import SCHEMA_PLACEHOLDER
 from pgq.sql import publish as q
+from pgq.store.connections import driver_sql
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
 
@@ -131,24 +130,6 @@ def publish_many(
     return list(ids)
 
 
-_compiled: dict[tuple[int, str], tuple[str, dict[str, Any]]] = {}
-
-
-def _driver_sql(conn: Connection, stmt: Executable) -> tuple[str, dict[str, Any]]:
-    """`stmt` compiled once per schema for the driver: its SQL and default parameters."""
-    schema = schema_of(conn)
-    key = (id(stmt), schema)
-    hit = _compiled.get(key)
-    if hit is None:
-        compiled = cast(ClauseElement, stmt).compile(
-            dialect=conn.dialect,
-            schema_translate_map={SCHEMA_PLACEHOLDER: schema},
-            render_schema_translate=True,
-        )
-        hit = _compiled[key] = (compiled.string, dict(compiled.params))
-    return hit
-
-
 def _locked_publish(conn: Connection, params: dict[str, Any]) -> list[int] | None:
     """Lock the topic, then publish: two statements, sent together.
 
@@ -158,8 +139,8 @@ def _locked_publish(conn: Connection, params: dict[str, Any]) -> list[int] | Non
     costs the round trips it cost as one statement (measured with a protocol
     trace: BEGIN, the pair, COMMIT). Runs in the connection's transaction.
     """
-    lock_sql, lock_defaults = _driver_sql(conn, q.lock_topic_for_publish())
-    sql, defaults = _driver_sql(conn, q.publish_batch())
+    lock_sql, lock_defaults = driver_sql(conn, q.lock_topic_for_publish())
+    sql, defaults = driver_sql(conn, q.publish_batch())
     if not conn.in_transaction():
         conn.begin()  # what SQLAlchemy's autobegin would do: the caller's commit() ends it
     driver = conn.connection.driver_connection
