@@ -2,7 +2,8 @@
 
 `default_classify` maps an exception to ``"permanent"`` (`PermanentError`),
 ``"systemic"`` (a dependency is failing: connection and timeout errors,
-anywhere on the cause/context chain) or ``"message"`` (anything else).
+HTTP 429/502/503/504 errors of requests and httpx, anywhere on the
+cause/context chain) or ``"message"`` (anything else).
 Third-party errors are recognised by class name over the MRO, so requests,
 httpx, urllib3, psycopg, psycopg2 and SQLAlchemy are never imported here.
 `make_classifier` wraps a user ``classify`` hook with a safe fallback.
@@ -20,7 +21,13 @@ from typing import Literal
 
 from pgq.errors import PermanentError, SystemicError
 
-__all__ = ["CLASSIFICATIONS", "Classification", "default_classify", "make_classifier"]
+__all__ = [
+    "CLASSIFICATIONS",
+    "SYSTEMIC_HTTP_STATUSES",
+    "Classification",
+    "default_classify",
+    "make_classifier",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +70,17 @@ _SYSTEMIC_NAMES: frozenset[tuple[str, str]] = frozenset(
         ("sqlalchemy", "TimeoutError"),
     )
 )
+
+# HTTP errors that carry the response: systemic when its status says the dependency is
+# unavailable (rate limited, bad gateway, unavailable, gateway timeout), not the message.
+_HTTP_STATUS_NAMES: frozenset[tuple[str, str]] = frozenset(
+    (
+        ("requests", "HTTPError"),
+        ("httpx", "HTTPStatusError"),
+    )
+)
+SYSTEMIC_HTTP_STATUSES: frozenset[int] = frozenset((429, 502, 503, 504))
+"""HTTP statuses of a requests/httpx error that classify it as systemic by default."""
 
 # Conflicts with other transactions (serialization failures, deadlocks) are
 # OperationalErrors in psycopg, but they say nothing about the dependency's health:
@@ -119,6 +137,22 @@ def _is_systemic_type(cls: type[BaseException]) -> bool:
     return any(name in _SYSTEMIC_NAMES for name in _names(cls))
 
 
+def _is_unavailable_response(exc: BaseException) -> bool:
+    """A requests `HTTPError` or httpx `HTTPStatusError` whose `response.status_code`
+    is one of `SYSTEMIC_HTTP_STATUSES` (matched by name: neither library is imported)."""
+    if not any(name in _HTTP_STATUS_NAMES for name in _names(type(exc))):
+        return False
+    try:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+    except Exception:  # a response object that cannot say: not evidence of an outage
+        return False
+    return isinstance(status, int) and status in SYSTEMIC_HTTP_STATUSES
+
+
+def _is_systemic(exc: BaseException) -> bool:
+    return _is_systemic_type(type(exc)) or _is_unavailable_response(exc)
+
+
 def default_classify(exc: BaseException) -> Classification:
     """Classify a handler's exception as ``"permanent"``, ``"systemic"`` or ``"message"``.
 
@@ -126,7 +160,8 @@ def default_classify(exc: BaseException) -> Classification:
     when the exception or anything on its cause/context chain is a
     `SystemicError`, `ConnectionError`, `TimeoutError`, `socket.gaierror`, or a
     connection/timeout error of requests, httpx, urllib3, psycopg, psycopg2 or
-    SQLAlchemy (matched by name), unless the chain holds a transaction conflict
+    SQLAlchemy (matched by name), or an HTTP error of requests or httpx whose
+    response status is 429, 502, 503 or 504, unless the chain holds a transaction conflict
     (serialization failure, deadlock): that is the message's own race, a
     message failure. Anything else is a message failure.
     """
@@ -135,7 +170,7 @@ def default_classify(exc: BaseException) -> Classification:
     chain = list(_chain(exc))
     if any(_is_conflict(e) for e in chain):
         return "message"
-    if any(_is_systemic_type(type(e)) for e in chain):
+    if any(_is_systemic(e) for e in chain):
         return "systemic"
     return "message"
 

@@ -151,7 +151,25 @@ class Prober(Role):
                     logger.info("prober sits out the next election after %d failed probes", turns)
                     self.sitting_out = True
                     return False
-            # message or permanent failure: inconclusive, probe again with another row
+            else:
+                # message or permanent failure (or a snooze): inconclusive. The row was
+                # charged as usual; the next probe takes another row (rotation), after
+                # the current interval, stored like a systemic failure's but not doubled
+                delay = probe_delay(
+                    max(1, view.probe_failures or 0),
+                    s.breaker_probe_interval,
+                    s.breaker_probe_interval_max,
+                )
+                self.conn.run(m.store.probe_inconclusive, view.epoch, delay)
+                logger.info(
+                    "probe inconclusive epoch=%d class=%s next_in=%.1fs",
+                    view.epoch,
+                    outcome.error_class,
+                    delay,
+                )
+                if self.one_shot:
+                    m.request_stop("breaker_open")
+                    return True
         return True
 
     def _probe(self, epoch: int) -> Outcome | None:

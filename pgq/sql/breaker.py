@@ -144,6 +144,19 @@ def probe_failed() -> Executable:
 
 
 @cache
+def probe_inconclusive() -> Executable:
+    """A probe of the OPEN epoch `:at_epoch` failed as the message's own fault (message,
+    permanent, a snooze): nothing learnt about the dependency, so the failure count
+    stays, but the next probe still waits: now + `:delay` (the current interval)."""
+    return (
+        update(br)
+        .where(_open_at_epoch())
+        .values(next_probe_at=func.now() + bindparam("delay", type_=Interval))
+        .returning(br.c.probe_failures)
+    )
+
+
+@cache
 def close() -> Executable:
     """Close `:gid` if it is still OPEN at `:at_epoch`; owe a reconciliation for the new epoch.
 

@@ -235,6 +235,11 @@ class GroupStore:
         params = {"gid": self.gid, "at_epoch": epoch, "delay": dt.timedelta(seconds=delay)}
         return conn.execute(breaker_sql.probe_failed(), params).scalar()
 
+    def probe_inconclusive(self, conn: Connection, epoch: int, delay: float) -> None:
+        """An inconclusive probe: the next one waits `delay`, the failure count is kept."""
+        params = {"gid": self.gid, "at_epoch": epoch, "delay": dt.timedelta(seconds=delay)}
+        conn.execute(breaker_sql.probe_inconclusive(), params)
+
     def close(self, conn: Connection, epoch: int) -> int | None:
         """Close the group if still OPEN at `epoch`; returns the close epoch."""
         params = {"gid": self.gid, "at_epoch": epoch, "member": self.member}

@@ -8,6 +8,7 @@ tells them from ordinary attempts by its thread name. Every wait is bounded.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -200,3 +201,34 @@ def test_delayed_and_snoozed_rows_are_not_probed_before_their_time(topic, schema
             "ready",
             0 if mid != snoozed_after_failure else 1,
         )
+
+
+# -- defect 3: inconclusive probes are paced and rotate --------------------------------
+
+
+def test_inconclusive_probes_wait_the_probe_interval_and_take_another_row(topic, schema, consumers):
+    """A dependency that answers every probe with a message-class error: each probe
+    waits the probe interval (stored in the group row, not doubled) and takes another
+    row (before: probes ran back to back, burning the backlog)."""
+    engine = topic
+    ids = pgq.publish_many(engine, "t", [{"i": i} for i in range(10)])
+    open_group(engine, schema)
+    probes = Probes()
+
+    def handler(msg: pgq.Message) -> None:
+        probes.note(msg)
+        raise ValueError("the dependency says no")
+
+    interval = SHORT["breaker_probe_interval"]
+    consumers(engine, handler, max_attempts=50, retry_backoff=0.01, retry_backoff_max=0.01)
+    wait_until(lambda: len(probes.ids()) >= 5, 20, "five probes", describe=probes.ids)
+    times, seen = probes.times()[:5], probes.ids()[:5]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert min(gaps) >= 0.8 * interval, gaps
+    assert max(gaps) < 2 * interval + 0.5, gaps  # not doubled like a systemic failure's
+    assert len(set(seen)) == 5 and set(seen) <= set(ids), seen
+    info = pgq.status(engine, "g")["breaker"]
+    assert info["state"] == "OPEN" and info["next_probe_at"] is not None
+    with engine.connect() as conn:
+        failures = conn.exec_driver_sql(f'SELECT probe_failures FROM "{schema}".breaker').scalar()
+    assert failures == 0

@@ -148,6 +148,59 @@ def test_real_requests_and_urllib3_when_installed() -> None:
     assert default_classify(requests_exc.HTTPError()) == "message"
 
 
+class _Response:
+    def __init__(self, status_code: object) -> None:
+        self.status_code = status_code
+
+
+def http_error(module: str, name: str, status: object) -> BaseException:
+    """A stand-in for requests' `HTTPError` / httpx's `HTTPStatusError` with a response."""
+    exc = fake(module, name)("HTTP error")
+    exc.response = _Response(status)  # type: ignore[attr-defined]
+    return exc
+
+
+HTTP_ERRORS = [("requests.exceptions", "HTTPError"), ("httpx._exceptions", "HTTPStatusError")]
+
+
+@pytest.mark.parametrize(("module", "name"), HTTP_ERRORS)
+@pytest.mark.parametrize("status", [429, 502, 503, 504])
+def test_http_unavailable_statuses_are_systemic(module: str, name: str, status: int) -> None:
+    assert default_classify(http_error(module, name, status)) == "systemic"
+    wrapped = chained(ValueError("while calling"), http_error(module, name, status))
+    assert default_classify(wrapped) == "systemic"
+
+
+@pytest.mark.parametrize(("module", "name"), HTTP_ERRORS)
+@pytest.mark.parametrize("status", [400, 401, 404, 409, 422, 500, 501, None, "503"])
+def test_other_http_statuses_are_message_failures(module: str, name: str, status: object) -> None:
+    assert default_classify(http_error(module, name, status)) == "message"
+
+
+def test_http_status_only_for_requests_and_httpx() -> None:
+    assert default_classify(http_error("myapp", "HTTPError", 503)) == "message"
+
+
+def test_http_error_whose_response_cannot_answer_is_a_message_failure() -> None:
+    class Broken:
+        @property
+        def status_code(self) -> int:
+            raise RuntimeError("no")
+
+    exc = fake("requests.exceptions", "HTTPError")()
+    exc.response = Broken()  # type: ignore[attr-defined]
+    assert default_classify(exc) == "message"
+
+
+def test_real_requests_http_error_when_installed() -> None:
+    requests = pytest.importorskip("requests")
+    response = requests.Response()
+    response.status_code = 503
+    assert default_classify(requests.HTTPError(response=response)) == "systemic"
+    response.status_code = 404
+    assert default_classify(requests.HTTPError(response=response)) == "message"
+
+
 # --- the cause/context chain ------------------------------------------------------
 
 
