@@ -248,6 +248,10 @@ def parse_duration(text: str) -> float:
 
 # --- checks -------------------------------------------------------------------
 
+_MAXIMA = {"workers": 1000, "batch_size": 10_000, "prefetch": 100_000}
+"""Upper bounds of the counts that size threads and buffers (a typo must not start
+a million threads)."""
+
 _DURATION_HELP = "a number of seconds or a duration such as '90s', '5m', '1h30m'"
 
 
@@ -262,6 +266,9 @@ def _check_value(name: str, value: object, origin: _Origin) -> Any:
         minimum = 0 if kind == _COUNT0 else 1
         if value < minimum:
             raise _invalid(origin, f"must be >= {minimum}")
+        maximum = _MAXIMA.get(name)
+        if maximum is not None and value > maximum:
+            raise _invalid(origin, f"must be <= {maximum}")
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _invalid(

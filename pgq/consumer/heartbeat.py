@@ -94,8 +94,9 @@ class Heartbeat(Role):
         self.hold_session()
         local, tripped = gate.local_report()
 
-        def beat(conn: Connection) -> tuple[BreakerView, int | None]:
-            m.store.heartbeat(conn, local, tripped)
+        def beat(conn: Connection) -> tuple[BreakerView, int | None] | None:
+            if m.store.heartbeat(conn, local, tripped) is None:
+                return None
             view = m.store.breaker(conn)
             if view.state == "CLOSED" and local == "open" and tripped == view.epoch:
                 opened = m.store.open_on_quorum(
@@ -108,7 +109,13 @@ class Heartbeat(Role):
                 return view, opened
             return view, None
 
-        view, opened = self.conn.run(beat)
+        beaten = self.conn.run(beat)
+        if beaten is None:
+            logger.error("member name taken over by another process member=%s; stopping", m.name)
+            m.request_stop("signal")
+            self.finish.set()
+            return
+        view, opened = beaten
         if opened is not None:
             logger.warning(
                 "group breaker opened by quorum group=%s epoch=%d", m.store.group, opened

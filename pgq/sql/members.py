@@ -138,9 +138,21 @@ def session_lock_held() -> Executable:
     )
 
 
+def _this_process() -> ColumnElement[bool]:
+    """The row of `:member` in `:gid` as this process joined it (`:started`, the
+    `started_at` its join returned): a process whose name was taken over by a
+    restart while it was paused finds nothing to update."""
+    return and_(
+        mb.c.group_id == bindparam("gid"),
+        mb.c.name == bindparam("member"),
+        mb.c.started_at == bindparam("started"),
+    )
+
+
 @cache
 def join() -> Executable:
-    """Register `:member` in `:gid`; returns the name when joined, nothing when refused.
+    """Register `:member` in `:gid`; returns its `started_at` when joined (the
+    process's token for its heartbeats), nothing when refused.
 
     With `:takeover` (the caller holds the member's session lock, so no other
     process runs under this name) it always joins; without it (a stale session
@@ -166,16 +178,17 @@ def join() -> Executable:
             "tripped_epoch": None,
         },
         where=or_(bindparam("takeover", type_=Boolean), ~_fresh()),
-    ).returning(mb.c.name)
+    ).returning(mb.c.started_at)
 
 
 @cache
 def heartbeat() -> Executable:
     """Record that `:member` is alive, with its local breaker `:local` (tripped under
-    `:tripped_epoch`); returns the group breaker's state and epoch."""
+    `:tripped_epoch`); returns the group breaker's state and epoch, nothing when
+    another process has taken the name over."""
     return (
         update(mb)
-        .where(mb.c.group_id == bindparam("gid"), mb.c.name == bindparam("member"))
+        .where(_this_process())
         .values(
             last_seen=func.now(),
             left_at=None,
@@ -197,10 +210,10 @@ def heartbeat() -> Executable:
 
 @cache
 def leave() -> Executable:
-    """Mark `:member` as gone from `:gid`."""
+    """Mark `:member` as gone from `:gid` (unless another process took the name over)."""
     return (
         update(mb)
-        .where(mb.c.group_id == bindparam("gid"), mb.c.name == bindparam("member"))
+        .where(_this_process())
         .values(left_at=func.now(), local_breaker=literal_column("'closed'"))
     )
 

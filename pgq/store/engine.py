@@ -21,7 +21,7 @@ from pgq.errors import BadDsn, ConfigError
 from pgq.schema import SCHEMA_PLACEHOLDER
 
 DEFAULT_SCHEMA = "pgq"
-_SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_SCHEMA_RE = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 
 def resolve_dsn(dsn: str | None = None) -> str:
@@ -39,10 +39,12 @@ def resolve_dsn(dsn: str | None = None) -> str:
 def resolve_schema(schema: str | None = None) -> str:
     """The schema name to use: `schema`, `$PGQ_SCHEMA`, else `pgq` (validated)."""
     name = schema or os.environ.get("PGQ_SCHEMA") or DEFAULT_SCHEMA
-    if not _SCHEMA_RE.match(name):
+    if not _SCHEMA_RE.fullmatch(name):
         raise ConfigError(
             f"invalid schema name {name!r}: use lower-case letters, digits and _ (max 63)"
         )
+    if name.startswith("pg_") or name == "information_schema":
+        raise ConfigError(f"invalid schema name {name!r}: reserved by PostgreSQL")
     return name
 
 

@@ -91,6 +91,8 @@ class GroupStore:
         self.member = member
         self.lease = dt.timedelta(seconds=lease)
         self.max_reclaims = max_reclaims
+        self.started: dt.datetime | None = None
+        """When this process joined (its join's token; None before it joined)."""
 
     # -- claim path ---------------------------------------------------------
 
@@ -104,11 +106,19 @@ class GroupStore:
         params = {"gid": self.gid, "member": self.member, "lease": self.lease}
         return self._claimed(run_hot(conn, claim_sql.claim(limit), params), epoch, probe)
 
-    def claim_probe(self, conn: Connection, epoch: int, max_refunds: int) -> Claimed | None:
+    def claim_probe(
+        self, conn: Connection, epoch: int, max_refunds: int, budget: float
+    ) -> Claimed | None:
         """Lease the group probe of the OPEN `epoch` (DESIGN §6.4): a row due now, else the
         systemic retry due soonest, else a dead systemic row under the refund cap; within
         each kind the rows not yet probed in this outage first, then the least
-        recently probed."""
+        recently probed.
+
+        Only when the stored next probe time has come, and then it reserves the next
+        `budget` seconds (the probe's time limit) in the same transaction: one probe
+        in flight per group, even when a prober lost its lock mid-probe. None when the
+        probe is not due (or the group moved on) or there is nothing to probe with.
+        """
         params = {
             "gid": self.gid,
             "member": self.member,
@@ -116,17 +126,31 @@ class GroupStore:
             "at_epoch": epoch,
             "max_refunds": max_refunds,
         }
+        if conn.execute(breaker_sql.probe_slot(), params).one_or_none() is None:
+            return None
         for kind in breaker_sql.PROBE_KINDS:
             for probed in (False, True):
                 rows = conn.execute(breaker_sql.claim_probe(kind, probed), params).all()
                 if rows:
+                    budget_param = {"budget": dt.timedelta(seconds=budget)}
+                    conn.execute(breaker_sql.reserve_probe(), {**params, **budget_param})
                     return self._claimed(rows, epoch, probe=True)[0]
         return None
 
-    def probe_done(self, conn: Connection, row: Claimed) -> bool:
-        """Write a successful group probe (refunding its systemic charges)."""
+    def probe_done(self, conn: Connection, row: Claimed) -> tuple[bool, int]:
+        """Write a successful group probe (refunding its systemic charges): (written,
+        rows refunded: 0 or 1)."""
         params = {"gid": self.gid, "id": row.id, "seq": row.seq, "member": self.member}
-        return conn.execute(breaker_sql.probe_done(), params).one_or_none() is not None
+        found = conn.execute(breaker_sql.probe_done(), params).one_or_none()
+        return (False, 0) if found is None else (True, int(found[1]))
+
+    def probe_succeeded(
+        self, conn: Connection, row: Claimed, epoch: int
+    ) -> tuple[bool, int | None]:
+        """Write the successful probe and close the group at `epoch` in one transaction,
+        so the close's history row counts the probe's refund: (written, close epoch)."""
+        written, refunded = self.probe_done(conn, row)
+        return written, self.close(conn, epoch, refunded)
 
     def _claimed(self, rows: Iterable[Any], epoch: int, probe: bool = False) -> list[Claimed]:
         group, topic, loads = self.group, self.topic, json.loads
@@ -227,22 +251,29 @@ class GroupStore:
             },
         ).scalar()
 
-    def set_prober(self, conn: Connection) -> None:
-        conn.execute(breaker_sql.set_prober(), {"gid": self.gid, "member": self.member})
+    def set_prober(self, lock_conn: Connection) -> None:
+        """Name this member the prober, on the session that holds the probe lock: it
+        records the name and takes the member's prober lock, which `pgq status` reads
+        from pg_locks (so the name goes when that session does)."""
+        params = {"gid": self.gid, "member": self.member}
+        lock_conn.execute(breaker_sql.set_prober(), params)
+        lock_conn.execute(breaker_sql.mark_prober(), params)
 
     def probe_failed(self, conn: Connection, epoch: int, delay: float) -> int | None:
         """Back the next probe off by `delay`; returns the consecutive failure count."""
         params = {"gid": self.gid, "at_epoch": epoch, "delay": dt.timedelta(seconds=delay)}
         return conn.execute(breaker_sql.probe_failed(), params).scalar()
 
-    def probe_inconclusive(self, conn: Connection, epoch: int, delay: float) -> None:
-        """An inconclusive probe: the next one waits `delay`, the failure count is kept."""
+    def probe_again(self, conn: Connection, epoch: int, delay: float) -> None:
+        """The next probe is due in `delay` seconds, the failure count kept (after an
+        inconclusive probe; 0 frees a reserved slot)."""
         params = {"gid": self.gid, "at_epoch": epoch, "delay": dt.timedelta(seconds=delay)}
-        conn.execute(breaker_sql.probe_inconclusive(), params)
+        conn.execute(breaker_sql.probe_again(), params)
 
-    def close(self, conn: Connection, epoch: int) -> int | None:
-        """Close the group if still OPEN at `epoch`; returns the close epoch."""
-        params = {"gid": self.gid, "at_epoch": epoch, "member": self.member}
+    def close(self, conn: Connection, epoch: int, refunded: int = 0) -> int | None:
+        """Close the group if still OPEN at `epoch`; returns the close epoch. `refunded`:
+        rows the successful probe refunded, recorded in the close's history row."""
+        params = {"gid": self.gid, "at_epoch": epoch, "member": self.member, "refunded": refunded}
         return conn.execute(breaker_sql.close(), params).scalar()
 
     def reconcile_batch(
@@ -333,24 +364,26 @@ class GroupStore:
                 "takeover": takeover,
             },
         ).one_or_none()
-        return row is not None
+        if row is None:
+            return False
+        self.started = row.started_at
+        return True
 
-    def heartbeat(self, conn: Connection, local: str, tripped_epoch: int | None) -> tuple[str, int]:
-        """Record liveness and local breaker state; returns (group state, epoch)."""
-        row = conn.execute(
-            member_sql.heartbeat(),
-            {
-                "gid": self.gid,
-                "member": self.member,
-                "local": local,
-                "tripped_epoch": tripped_epoch,
-            },
-        ).one()
-        return str(row.state), int(row.epoch)
+    def _me(self) -> dict[str, Any]:
+        return {"gid": self.gid, "member": self.member, "started": self.started}
+
+    def heartbeat(
+        self, conn: Connection, local: str, tripped_epoch: int | None
+    ) -> tuple[str, int] | None:
+        """Record liveness and local breaker state; returns (group state, epoch), or
+        None when another process has taken this member's name over."""
+        params = {**self._me(), "local": local, "tripped_epoch": tripped_epoch}
+        row = conn.execute(member_sql.heartbeat(), params).one_or_none()
+        return None if row is None else (str(row.state), int(row.epoch))
 
     def leave(self, conn: Connection) -> None:
-        """Mark this member as gone."""
-        conn.execute(member_sql.leave(), {"gid": self.gid, "member": self.member})
+        """Mark this member as gone (not the process that took its name over)."""
+        conn.execute(member_sql.leave(), self._me())
 
     def drain_state(self, conn: Connection, ttl: float, wait: float = 0.0) -> DrainState:
         """Rows ready now, waiting for retry (and of those, due within `wait` seconds),

@@ -24,8 +24,9 @@ PGQ = str(Path(sys.executable).with_name("pgq"))
 if not Path(PGQ).exists():
     PGQ = str(ROOT / ".venv" / "bin" / "pgq")
 
-import pgq  # noqa: E402
 from sqlalchemy import text  # noqa: E402
+
+import pgq  # noqa: E402
 
 
 class Schema:
@@ -44,7 +45,9 @@ class Schema:
         env.update({k: str(v) for k, v in extra.items()})
         return env
 
-    def pgq(self, *args: str, input: str | bytes | None = None, timeout: float = 60, **extra: object):
+    def pgq(
+        self, *args: str, input: str | bytes | None = None, timeout: float = 60, **extra: object
+    ):
         """Run `pgq *args`; past `timeout` it is killed and `returncode` is None."""
         try:
             return subprocess.run(
@@ -62,7 +65,9 @@ class Schema:
             out = exc.stdout or b""
             if isinstance(out, bytes):
                 out = out.decode(errors="replace")
-            return subprocess.CompletedProcess(exc.cmd, None, out, err + f"\n<killed after {timeout:g}s>")
+            return subprocess.CompletedProcess(
+                exc.cmd, None, out, err + f"\n<killed after {timeout:g}s>"
+            )
 
     def sql(self, stmt: str, **params: object):
         with self.engine.begin() as conn:

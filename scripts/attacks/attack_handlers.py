@@ -1,4 +1,5 @@
 """Handlers for the attack scripts' `pgq consume --handler attack_handlers:NAME` runs."""
+
 import os
 import time
 

@@ -21,6 +21,7 @@ no stale lease, status == logs. ATK_SEED picks the fault sequence.
 
 Run: .venv/bin/python scripts/attacks/chaos_targeted.py  (~80 s; exit 0 when it held)
 """
+
 from __future__ import annotations
 
 import os
@@ -30,15 +31,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common
-from _common import DSN, Schema
-
-import psutil
-import pgq
+from _common import Schema
 from chaos import history
 from chaos.drivers import Drivers
 from chaos.handlers import AttemptLog
 from chaos.procs import CHAOS_SETTINGS, Members
+
+import pgq
 
 SECONDS = float(os.environ.get("ATK_SECONDS", "35"))
 SEED = int(os.environ.get("ATK_SEED", str(random.randrange(1 << 30))))
@@ -46,7 +45,16 @@ LEASE = float(CHAOS_SETTINGS["PGQ_LEASE"])
 TTL = float(CHAOS_SETTINGS["PGQ_BREAKER_MEMBER_TTL"])
 TOPIC, GROUP = "chaos", "work"
 NAMES = ("m1", "m2", "m3")
-KINDS = ["kill9", "term_kill", "term2", "pause", "pause_takeover", "lockcut", "listencut", "drainer"]
+KINDS = [
+    "kill9",
+    "term_kill",
+    "term2",
+    "pause",
+    "pause_takeover",
+    "lockcut",
+    "listencut",
+    "drainer",
+]
 KINDS = [k for k in KINDS if k in os.environ.get("ATK_KINDS", ",".join(KINDS)).split(",")]
 
 
@@ -61,10 +69,12 @@ def lock_backend_pids(s: Schema, name: str) -> list[int]:
         " || ':' || :name, 0)"
     )
     rows = s.sql(
-        "SELECT l.pid FROM pg_locks l, " + f'"{s.name}".consumer_group g'
+        "SELECT l.pid FROM pg_locks l, "
+        + f'"{s.name}".consumer_group g'
         + " WHERE g.name = :g AND l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted"
         + f" AND ((l.classid::bigint << 32) | l.objid::bigint) = {key_sql}",
-        g=GROUP, name=name,
+        g=GROUP,
+        name=name,
     )
     return [r[0] for r in rows]
 
@@ -82,9 +92,19 @@ def main() -> int:
 
         def on_late(group: str) -> None:
             log = AttemptLog(out, f"in-{group}", sleep=0.002)
-            c = pgq.Consumer(engine, group, log, workers=2, name=f"in-{group}", lease=LEASE,
-                             breaker_heartbeat=0.2, breaker_member_ttl=TTL, retry_backoff=0.05,
-                             poll_interval=0.1, shutdown_grace=5.0)
+            c = pgq.Consumer(
+                engine,
+                group,
+                log,
+                workers=2,
+                name=f"in-{group}",
+                lease=LEASE,
+                breaker_heartbeat=0.2,
+                breaker_member_ttl=TTL,
+                retry_backoff=0.05,
+                poll_interval=0.1,
+                shutdown_grace=5.0,
+            )
             c.start()
             late_consumers.append((c, log))
 
@@ -151,7 +171,9 @@ def main() -> int:
                         twin = members.spawn(victim.name, GROUP)
                         members.wait_live(engine, GROUP, [victim.name], TTL, timeout=30)
                         if not twin.alive():
-                            notes.append(f"PROBLEM takeover of paused {victim.name} refused: {twin.stderr(3)}")
+                            notes.append(
+                                f"PROBLEM takeover of paused {victim.name} refused: {twin.stderr(3)}"
+                            )
                         victim.resume()
                         time.sleep(1.5)
                         victim.term()
@@ -168,9 +190,15 @@ def main() -> int:
                     elif kind == "drainer":
                         drainers += 1
                         members.spawn(f"drainer{drainers}", GROUP, until_empty=True)
-                    members.events.append(type(members.events[0])(victim.name, "stop", t, victim.pid)) if kind in ("lockcut",) else None
+                    members.events.append(
+                        type(members.events[0])(victim.name, "stop", t, victim.pid)
+                    ) if kind in ("lockcut",) else None
                     if kind == "lockcut":
-                        members.events.append(type(members.events[0])(victim.name, "cont", time.time() + LEASE, victim.pid))
+                        members.events.append(
+                            type(members.events[0])(
+                                victim.name, "cont", time.time() + LEASE, victim.pid
+                            )
+                        )
                     notes.append(f"{time.strftime('%H:%M:%S')} {kind} {victim.name}")
                 record = drivers.wait(timeout=30)
             running = [m for m in members.live()]
@@ -193,9 +221,14 @@ def main() -> int:
                 if code != 0:
                     notes.append(f"PROBLEM {d.name} exited {code}: {d.stderr(10)}")
             summary = history.check(
-                engine, TOPIC, out, record=record,
+                engine,
+                TOPIC,
+                out,
+                record=record,
                 faults=history.fault_windows(members.events, [], lease=LEASE),
-                lease=LEASE, member_ttl=TTL, cli_env={**base, **CHAOS_SETTINGS},
+                lease=LEASE,
+                member_ttl=TTL,
+                cli_env={**base, **CHAOS_SETTINGS},
             )
         print(summary)
         print("\n".join(notes))

@@ -15,7 +15,7 @@ Run: .venv/bin/python scripts/attacks/consume_huge_workers_hangs.py (~20 s; it k
 process after 15 s). Exit 0 once fixed, 1 while the defect exists. Severity: stall/crash
 (a typo in a deployment takes the host's thread budget and never exits).
 """
-import _common
+
 from _common import Schema, states, verdict
 
 import pgq
@@ -25,8 +25,16 @@ with Schema("workers") as s:
     pgq.create_topic(s.engine, "t")
     pgq.subscribe(s.engine, "g", "t")
     pgq.publish(s.engine, "t", {"n": 1})
-    r = s.pgq("consume", "g", "--handler", "attack_handlers:ok", "--until-empty",
-              "--workers", "99999999999", timeout=15)
+    r = s.pgq(
+        "consume",
+        "g",
+        "--handler",
+        "attack_handlers:ok",
+        "--until-empty",
+        "--workers",
+        "99999999999",
+        timeout=15,
+    )
     if r.returncode is None:
         problems.append("pgq consume --workers 99999999999 did not exit within 15 s")
     elif r.returncode not in (0, 2) or "Traceback" in r.stderr:

@@ -16,7 +16,7 @@ Actual: exit 1 (thread crashed), row left `leased`.
 Run: .venv/bin/python scripts/attacks/handler_error_getattr_crashes_member.py  (~5 s)
 Exit 0 once fixed, 1 while the defect exists.
 """
-import _common
+
 from _common import Schema, states, verdict
 
 import pgq
@@ -25,12 +25,24 @@ with Schema("getattr") as s:
     pgq.create_topic(s.engine, "t")
     pgq.subscribe(s.engine, "g", "t")
     pgq.publish(s.engine, "t", {"n": 1})
-    r = s.pgq("consume", "g", "--handler", "attack_handlers:rpc_error", "--until-empty",
-              "--workers", "1", timeout=30, PGQ_MAX_ATTEMPTS="1", PGQ_BREAKER_MIN_MEMBERS="9")
+    r = s.pgq(
+        "consume",
+        "g",
+        "--handler",
+        "attack_handlers:rpc_error",
+        "--until-empty",
+        "--workers",
+        "1",
+        timeout=30,
+        PGQ_MAX_ATTEMPTS="1",
+        PGQ_BREAKER_MIN_MEMBERS="9",
+    )
     st = states(s, "g")
     problems = []
     if r.returncode != 0:
-        problems.append(f"pgq consume exited {r.returncode}; stderr tail: {r.stderr.strip().splitlines()[-1:]}")
+        problems.append(
+            f"pgq consume exited {r.returncode}; stderr tail: {r.stderr.strip().splitlines()[-1:]}"
+        )
     if "thread crashed" in r.stderr:
         problems.append("a member thread crashed on the handler's exception")
     if st != {"dead": 1}:

@@ -11,7 +11,7 @@ characters"): exit 2 with one line. Actual: accepted, exit 0.
 Run: .venv/bin/python scripts/attacks/member_name_control_chars_accepted.py (~10 s)
 Exit 0 once fixed, 1 while the defect exists. Severity: cosmetic / validation.
 """
-import _common
+
 from _common import Schema, verdict
 
 import pgq
@@ -21,8 +21,16 @@ with Schema("mname") as s:
     pgq.create_topic(s.engine, "t")
     pgq.subscribe(s.engine, "g", "t")
     for name in ("a\nb", "x\x1b[2J", "line\u2028sep", "tab\there"):
-        r = s.pgq("consume", "g", "--handler", "attack_handlers:ok", "--until-empty",
-                  "--name", name, timeout=30)
+        r = s.pgq(
+            "consume",
+            "g",
+            "--handler",
+            "attack_handlers:ok",
+            "--until-empty",
+            "--name",
+            name,
+            timeout=30,
+        )
         if r.returncode != 2:
             problems.append(f"--name {name!r}: exit {r.returncode} (expected 2)")
     stored = [row[0] for row in s.sql(f'SELECT name FROM "{s.name}".member')]

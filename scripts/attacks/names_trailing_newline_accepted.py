@@ -12,7 +12,7 @@ a match)"): refused, exit 2, one line. Actual: accepted (exit 0), stored.
 Run: .venv/bin/python scripts/attacks/names_trailing_newline_accepted.py (~5 s)
 Exit 0 once fixed, 1 while the defect exists. Severity: cosmetic / validation.
 """
-import _common
+
 from _common import Schema, verdict
 
 import pgq

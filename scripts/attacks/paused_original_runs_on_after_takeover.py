@@ -18,6 +18,7 @@ Run: .venv/bin/python scripts/attacks/paused_original_runs_on_after_takeover.py 
 Exit 0 once fixed, 1 while the defect exists. Severity: cosmetic/accounting (breaker
 quorum under-counts; no message lost or run twice unexplained).
 """
+
 import collections
 import os
 import signal
@@ -25,14 +26,19 @@ import subprocess
 import tempfile
 import time
 
-import _common
 from _common import PGQ, Schema, states, verdict
 
 import pgq
 
-SET = dict(PGQ_LEASE="2", PGQ_BREAKER_HEARTBEAT="0.2", PGQ_BREAKER_MEMBER_TTL="1",
-           PGQ_POLL_INTERVAL="0.1", PGQ_SHUTDOWN_GRACE="5", PGQ_BREAKER_MIN_MEMBERS="9",
-           ATK_SLEEP="0.2")
+SET = dict(
+    PGQ_LEASE="2",
+    PGQ_BREAKER_HEARTBEAT="0.2",
+    PGQ_BREAKER_MEMBER_TTL="1",
+    PGQ_POLL_INTERVAL="0.1",
+    PGQ_SHUTDOWN_GRACE="5",
+    PGQ_BREAKER_MIN_MEMBERS="9",
+    ATK_SLEEP="0.2",
+)
 problems = []
 procs = []
 with Schema("takeover") as s:
@@ -43,10 +49,22 @@ with Schema("takeover") as s:
 
     def spawn(tag):
         p = subprocess.Popen(
-            [PGQ, "consume", "g", "--handler", "attack_handlers:slow_log", "--name", "svc",
-             "--workers", "2"],
-            env=s.env(ATK_DIR=d, ATK_TAG=tag, **SET), stdout=subprocess.DEVNULL,
-            stderr=open(f"{d}/{tag}.err", "w"), text=True)
+            [
+                PGQ,
+                "consume",
+                "g",
+                "--handler",
+                "attack_handlers:slow_log",
+                "--name",
+                "svc",
+                "--workers",
+                "2",
+            ],
+            env=s.env(ATK_DIR=d, ATK_TAG=tag, **SET),
+            stdout=subprocess.DEVNULL,
+            stderr=open(f"{d}/{tag}.err", "w"),
+            text=True,
+        )
         procs.append(p)
         return p
 
@@ -80,7 +98,8 @@ with Schema("takeover") as s:
         if a.poll() is None and b.poll() is None:
             problems.append(
                 f"both processes still run as 'svc' 4-7 s after SIGCONT; the resumed original"
-                f" handled {handled_by('A', later)} messages in the last 3 s")
+                f" handled {handled_by('A', later)} messages in the last 3 s"
+            )
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
@@ -89,8 +108,19 @@ with Schema("takeover") as s:
                 p.wait(20)
             except subprocess.TimeoutExpired:
                 p.kill()
-        r = s.pgq("consume", "g", "--handler", "attack_handlers:slow_log", "--until-empty",
-                  "--name", "drain", timeout=40, ATK_DIR=d, ATK_TAG="D", **{**SET, "ATK_SLEEP": "0"})
+        r = s.pgq(
+            "consume",
+            "g",
+            "--handler",
+            "attack_handlers:slow_log",
+            "--until-empty",
+            "--name",
+            "drain",
+            timeout=40,
+            ATK_DIR=d,
+            ATK_TAG="D",
+            **{**SET, "ATK_SLEEP": "0"},
+        )
         oks = collections.Counter()
         for f in os.listdir(d):
             if f.startswith("log-"):
@@ -105,7 +135,9 @@ with Schema("takeover") as s:
             problems.append(f"never handled: {missing[:10]}")
         if dups > reclaimed:
             problems.append(f"{dups} duplicate handlings but only {reclaimed} reclaims")
-        print(f"handled={sum(oks.values())} duplicates={dups} reclaimed={reclaimed} states={states(s, 'g')}")
+        print(
+            f"handled={sum(oks.values())} duplicates={dups} reclaimed={reclaimed} states={states(s, 'g')}"
+        )
     finally:
         for p in procs:
             if p.poll() is None:

@@ -13,7 +13,7 @@ clear error"; §4 "Nothing a handler returns or raises can crash"): the attempt 
 Run: .venv/bin/python scripts/attacks/retrylater_nonnumeric_delay_crashes_member.py (~5 s)
 Exit 0 once fixed, 1 while the defect exists.
 """
-import _common
+
 from _common import Schema, states, verdict
 
 import pgq
@@ -22,8 +22,18 @@ with Schema("retrystr") as s:
     pgq.create_topic(s.engine, "t")
     pgq.subscribe(s.engine, "g", "t")
     pgq.publish(s.engine, "t", {"n": 1})
-    r = s.pgq("consume", "g", "--handler", "attack_handlers:throttled", "--until-empty",
-              "--workers", "1", timeout=30, PGQ_MAX_ATTEMPTS="1", PGQ_BREAKER_MIN_MEMBERS="9")
+    r = s.pgq(
+        "consume",
+        "g",
+        "--handler",
+        "attack_handlers:throttled",
+        "--until-empty",
+        "--workers",
+        "1",
+        timeout=30,
+        PGQ_MAX_ATTEMPTS="1",
+        PGQ_BREAKER_MIN_MEMBERS="9",
+    )
     st = states(s, "g")
     problems = []
     if r.returncode != 0:

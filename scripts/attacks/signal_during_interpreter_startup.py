@@ -16,11 +16,11 @@ traceback): exit 0, no traceback. Actual: exit -15 for SIGTERM; traceback + exit
 Run: .venv/bin/python scripts/attacks/signal_during_interpreter_startup.py (~10 s)
 Exit 0 once fixed, 1 while the defect exists. Severity: cosmetic (nothing was claimed yet).
 """
+
 import signal
 import subprocess
 import time
 
-import _common
 from _common import PGQ, Schema, verdict
 
 import pgq
@@ -33,7 +33,10 @@ with Schema("sigstart") as s:
         for delay in (0.15, 0.4):
             p = subprocess.Popen(
                 [PGQ, "consume", "g", "--handler", "attack_handlers:ok", "--name", "x"],
-                env=s.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env=s.env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
             )
             time.sleep(delay)
             p.send_signal(sig)

@@ -18,7 +18,7 @@ Severity: stalled (forever, while the process lives).
 Run: .venv/bin/python scripts/attacks/worker_crash_logging_fails_member_hangs.py (~30 s)
 Exit 0 once fixed, 1 while the defect exists.
 """
-import _common
+
 from _common import Schema, states, verdict
 
 import pgq
@@ -27,8 +27,18 @@ with Schema("crashhang") as s:
     pgq.create_topic(s.engine, "t")
     pgq.subscribe(s.engine, "g", "t")
     pgq.publish(s.engine, "t", {"n": 1})
-    r = s.pgq("consume", "g", "--handler", "attack_handlers:raw_rpc_error", "--until-empty",
-              "--workers", "1", timeout=25, PGQ_MAX_ATTEMPTS="1", PGQ_BREAKER_MIN_MEMBERS="9")
+    r = s.pgq(
+        "consume",
+        "g",
+        "--handler",
+        "attack_handlers:raw_rpc_error",
+        "--until-empty",
+        "--workers",
+        "1",
+        timeout=25,
+        PGQ_MAX_ATTEMPTS="1",
+        PGQ_BREAKER_MIN_MEMBERS="9",
+    )
     st = states(s, "g")
     problems = []
     if r.returncode is None:

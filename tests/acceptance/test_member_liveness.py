@@ -135,3 +135,43 @@ def test_wait_retries_from_the_command_line(orders, pgq_env, tmp_path, procs):
     )
     assert code == 2, stderr
     assert "--wait-retries needs --until-empty" in stderr
+
+
+def test_a_paused_member_whose_name_was_taken_over_stops_when_it_resumes(
+    orders, pgq_env, tmp_path, procs
+):
+    """Found by attack (scripts/attacks/paused_original_runs_on_after_takeover.py): the
+    resumed original ran on beside the process that took its name over."""
+    short = {"PGQ_BREAKER_MEMBER_TTL": "1.0"}
+    args = ("--handler", "handlers:record", "--name", "svc")
+    log = tmp_path / "a.log"
+    env = consumer_env(pgq_env, tmp_path, TESTQ_TAG="a", **ENV, **short)
+    a = spawn_pgq(env, "consume", "billing", *args, log=log)
+    procs.append(a)
+    wait_until(lambda: "member joined" in log.read_text(), 15, "a to join")
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        b_env = consumer_env(pgq_env, tmp_path, TESTQ_TAG="b", **ENV, **short)
+        b_log = tmp_path / "b.log"
+        b = spawn_pgq(b_env, "consume", "billing", *args, log=b_log)
+        procs.append(b)
+        # b waits out a's member_ttl (a's session is still there), then takes over
+        wait_until(lambda: "member joined" in b_log.read_text(), 20, "b to take the name over")
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    code, _, _ = finish(a, 15)
+    assert "member name taken over" in log.read_text()
+    assert code == 0, log.read_text()
+    assert b.poll() is None  # b runs on, alone under the name
+    wait_until(
+        lambda: (
+            [(m["name"], m["live"]) for m in pgq.status(orders, "billing")["members"]]
+            == [("svc", True)]
+        ),
+        10,
+        "svc to be live (b) after a left",
+    )
+    pgq.publish(orders, "orders", {"n": 1})
+    wait_until(lambda: read_ids(tmp_path, "handled", "b"), 10, "b to handle a message")
+    b.send_signal(signal.SIGTERM)
+    assert finish(b, 15)[0] == 0
