@@ -7,17 +7,23 @@ SQLAlchemy exception type:
 | SQLSTATE class                          | pgq error            |
 | --------------------------------------- | -------------------- |
 | 08 connection, 57P01-57P05, 53 resources | `DatabaseUnavailable` |
+| 25P03 idle-in-transaction timeout        | `DatabaseUnavailable` |
 | 28 authorization, 3D000 no such database | `BadDsn`              |
 | 42501 insufficient privilege             | `PermissionDenied`    |
 | 42P01 undefined table, 3F000 no schema   | `SchemaMissing`       |
 | 22 data exception                        | `InvalidData`         |
 | 40 serialization failure, deadlock       | `TransactionConflict` |
+| 55P03 lock not available (lock_timeout)  | `TransactionConflict` |
 | 57014 query cancelled (statement timeout)| `StatementTimeout`    |
 | anything else the driver raises          | `DatabaseError`       |
 
-A connection that fails before the server answers carries no SQLSTATE; it
-is an outage (`DatabaseUnavailable`) unless the server's message says the
-login or the database was refused.
+A connection that fails before the server answers carries no SQLSTATE (nor
+does a connection lost mid-statement); it is an outage (`DatabaseUnavailable`)
+unless the server's message says the login or the database was refused. An
+error that does carry a SQLSTATE came from a server that answered: outside the
+table it is a `DatabaseError`, whatever psycopg's class for it (psycopg files
+classes 54, 55 and 58 under `OperationalError` too). A value psycopg refuses
+before sending it (a NUL byte in a text parameter) is `InvalidData`.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ _BY_SQLSTATE: tuple[tuple[str, type[PgqError], str], ...] = (
     ("57P", DatabaseUnavailable, "cannot reach the database"),
     ("08", DatabaseUnavailable, "cannot reach the database"),
     ("53", DatabaseUnavailable, "cannot reach the database"),
+    ("25P03", DatabaseUnavailable, "cannot reach the database"),  # the server ended the session
     ("28", BadDsn, "cannot use the database"),
     ("3D", BadDsn, "cannot use the database"),
     ("42501", PermissionDenied, "permission denied"),
@@ -54,6 +61,7 @@ _BY_SQLSTATE: tuple[tuple[str, type[PgqError], str], ...] = (
     ("3F000", SchemaMissing, ""),
     ("22", InvalidData, "the database refused a value"),
     ("40", TransactionConflict, "transaction conflict"),
+    ("55P03", TransactionConflict, "transaction conflict"),  # lock_timeout, NOWAIT
 )
 
 # what libpq says when the server refused the login or the database at connect
@@ -65,6 +73,8 @@ _REFUSED_AT_CONNECT = (
     "does not exist",
     "no pg_hba.conf entry",
     "permission denied for database",
+    "is not permitted to log in",
+    "pg_hba.conf rejects connection",
 )
 
 
@@ -94,9 +104,13 @@ def translate(exc: BaseException) -> PgqError:
     for prefix, kind, what in _BY_SQLSTATE:
         if sqlstate.startswith(prefix):
             return kind(f"{what}: {first_line(err)}" if what else None)
-    if isinstance(err, psycopg.OperationalError | psycopg.InterfaceError) or isinstance(
-        exc, sa_exc.DisconnectionError | sa_exc.TimeoutError
-    ):
+    if isinstance(err, psycopg.DataError):  # refused before sending: no SQLSTATE
+        return InvalidData(f"the database refused a value: {first_line(err)}")
+    unreached = not sqlstate and (
+        isinstance(err, psycopg.OperationalError | psycopg.InterfaceError)
+        or isinstance(exc, sa_exc.DisconnectionError | sa_exc.TimeoutError)
+    )
+    if unreached:
         text = first_line(err)
         if not sqlstate and any(words in text for words in _REFUSED_AT_CONNECT):
             return BadDsn(f"cannot use the database: {text}")
