@@ -28,6 +28,9 @@ logger = logging.getLogger("pgq.breaker")
 
 RECONCILE_BATCH = 5000
 
+PROBE_SLACK = 1.0
+"""Seconds a probe's reserved slot lasts beyond `handler_timeout` (writing its outcome)."""
+
 PROBE_THREAD = "pgq-probe-attempt"
 """The name of the thread a group probe's handler runs in (handlers may log it)."""
 
@@ -103,8 +106,10 @@ class Prober(Role):
     def _lead(self) -> bool:
         """Probe, close and reconcile while holding the lock; True when finished."""
         m, s = self.member, self.member.settings
-        turns = 0
-        self.conn.run(m.store.set_prober)
+        turns = 0  # systemic probe failures in a row under this election
+        lock_conn = self.lock.conn
+        if lock_conn is not None:
+            m.store.set_prober(lock_conn)
         while not m.stopping.is_set():
             self.lock.check()
             view = self.conn.run(m.store.breaker)
@@ -121,19 +126,14 @@ class Prober(Role):
                 self._pause(0.2)
                 continue
             outcome = self._probe(view.epoch)
-            if outcome is None:  # nothing at all to probe with
+            if outcome is None:  # not due after all, or nothing at all to probe with
                 if self.one_shot:
                     m.request_stop("breaker_open")
                     return True
                 self._pause(s.breaker_probe_interval)
                 continue
             if outcome.kind == "done":
-                self.lock.check()
-                closed = self.conn.run(m.store.close, view.epoch)
-                if closed is not None:
-                    logger.info("group breaker closed by probe epoch=%d", closed)
-                    self.gate.see_group("CLOSED", closed)
-                continue  # the next turn reconciles
+                continue  # closed (the next turn reconciles), or the lock was lost
             if outcome.error_class == "systemic":
                 failures = (view.probe_failures or 0) + 1
                 delay = probe_delay(
@@ -155,12 +155,13 @@ class Prober(Role):
                 # message or permanent failure (or a snooze): inconclusive. The row was
                 # charged as usual; the next probe takes another row (rotation), after
                 # the current interval, stored like a systemic failure's but not doubled
+                turns = 0
                 delay = probe_delay(
                     max(1, view.probe_failures or 0),
                     s.breaker_probe_interval,
                     s.breaker_probe_interval_max,
                 )
-                self.conn.run(m.store.probe_inconclusive, view.epoch, delay)
+                self.conn.run(m.store.probe_again, view.epoch, delay)
                 logger.info(
                     "probe inconclusive epoch=%d class=%s next_in=%.1fs",
                     view.epoch,
@@ -173,22 +174,44 @@ class Prober(Role):
         return True
 
     def _probe(self, epoch: int) -> Outcome | None:
-        """Run one real message as the probe; returns its (written) outcome."""
-        m = self.member
-        row = self.conn.run(m.store.claim_probe, epoch, m.settings.breaker_max_refunds)
+        """Run one real message as the probe; returns its (written) outcome.
+
+        A success closes the group at `epoch` in the same transaction, if this
+        prober still holds its lock; else it only writes the row and frees the
+        probe slot, so the member that holds the lock now probes at once.
+        """
+        m, s = self.member, self.member.settings
+        budget = s.handler_timeout + PROBE_SLACK
+        row = self.conn.run(m.store.claim_probe, epoch, s.breaker_max_refunds, budget)
         if row is None:
             return None
         m.hold([row])
-        outcome = self._attempt(row)
-        if outcome.kind == "done":
-            written = self.conn.retrying(m.store.probe_done, row)
-        else:
-            written = row.lease in self.conn.retrying(m.store.record, [outcome])
-        m.let_go([row.lease])
+        lost: LostLock | None = None
+        try:
+            outcome = self._attempt(row)
+            if outcome.kind == "done":
+                try:
+                    self.lock.check()
+                except LostLock as exc:
+                    lost = exc
+                if lost is None:
+                    written, closed = self.conn.retrying(m.store.probe_succeeded, row, epoch)
+                    if closed is not None:
+                        logger.info("group breaker closed by probe epoch=%d", closed)
+                        self.gate.see_group("CLOSED", closed)
+                else:
+                    written, _ = self.conn.retrying(m.store.probe_done, row)
+                    self.conn.retrying(m.store.probe_again, epoch, 0.0)
+            else:
+                written = row.lease in self.conn.retrying(m.store.record, [outcome])
+        finally:
+            m.let_go([row.lease])
         m.count_outcome(outcome, pending=False)
         if not written:
             logger.warning("probe outcome refused id=%d (lease lost)", row.id)
             m.count_refused(outcome)
+        if lost is not None:
+            raise lost
         return outcome
 
     def _attempt(self, row: Claimed) -> Outcome:

@@ -16,6 +16,7 @@ from sqlalchemy import (
     Integer,
     Interval,
     Numeric,
+    Text,
     and_,
     bindparam,
     case,
@@ -119,13 +120,108 @@ def open_on_quorum() -> Executable:
     return _recorded(flipped, t.OPEN)
 
 
+_locks = table(
+    "pg_locks",
+    column("locktype"),
+    column("database"),
+    column("classid"),
+    column("objid"),
+    column("objsubid"),
+    column("granted"),
+    column("pid"),
+    schema="pg_catalog",
+)
+_databases = table("pg_database", column("oid"), column("datname"), schema="pg_catalog")
+
+
+def _prober_key() -> ColumnElement[int]:
+    """The advisory lock the elected prober's lock session holds beside the probe lock,
+    for the member row at hand: a hash of the member table's oid (one per schema and
+    database), the group and the member's name. SQL can compute it from the row, so
+    `pgq status` finds the prober in pg_locks without a stored name."""
+    text = (
+        cast(literal_column(f"{mb.name}.tableoid"), Text)
+        + literal(":prober:")
+        + cast(mb.c.group_id, Text)
+        + literal(":")
+        + mb.c.name
+    )
+    return func.hashtextextended(text, 0)
+
+
 @cache
 def set_prober() -> Executable:
-    """Record `:member` as the prober of `:gid` (display only: the lock elects)."""
+    """Record `:member` as the prober of `:gid` (the last one elected, for the record)."""
     return (
         update(br)
         .where(br.c.group_id == bindparam("gid"), br.c.state == t.OPEN)
         .values(prober=bindparam("member"))
+    )
+
+
+@cache
+def mark_prober() -> Executable:
+    """Take `:member`'s prober lock (`_prober_key`) in this session: run on the session
+    that holds the probe lock, it names the prober for as long as that session lives."""
+    return select(func.pg_try_advisory_lock(_prober_key())).where(
+        mb.c.group_id == bindparam("gid"), mb.c.name == bindparam("member")
+    )
+
+
+def prober_of(gid: ColumnElement[Any]) -> Any:
+    """The member of group `gid` whose prober lock some session holds (pg_locks), if any:
+    the prober right now, and no one once its lock session is gone."""
+    here = select(_databases.c.oid).where(_databases.c.datname == func.current_database())
+    key = (
+        cast(_locks.c.classid, BigInteger)
+        .op("<<")(literal_column("32"))
+        .op("|")(cast(_locks.c.objid, BigInteger))
+    )
+    held = (
+        select(literal(1))
+        .select_from(_locks)
+        .where(
+            _locks.c.locktype == literal("advisory"),
+            _locks.c.granted,
+            _locks.c.objsubid == literal(1),
+            _locks.c.database == here.scalar_subquery(),
+            key == _prober_key(),
+        )
+        .correlate_except(_locks)
+        .exists()
+    )
+    return (
+        select(mb.c.name)
+        .where(mb.c.group_id == gid, held)
+        .order_by(mb.c.name)
+        .limit(1)
+        .scalar_subquery()
+    )
+
+
+@cache
+def probe_slot() -> Executable:
+    """Lock `:gid`'s breaker row if it is OPEN at `:at_epoch` and the next probe is due.
+
+    The probe claim runs in the same transaction and then `reserve_probe`s the slot,
+    so of two probers (one that lost its lock mid-probe and its successor) only one
+    probe is in flight: the other sees the next probe not yet due.
+    """
+    return (
+        select(br.c.group_id)
+        .where(_open_at_epoch(), func.coalesce(br.c.next_probe_at <= func.now(), True))
+        .with_for_update()
+    )
+
+
+@cache
+def reserve_probe() -> Executable:
+    """A probe of `:gid` started: no other until now + `:budget` (its handler's time
+    limit), unless its outcome sets the next probe time first."""
+    return (
+        update(br)
+        .where(_open_at_epoch())
+        .values(next_probe_at=func.now() + bindparam("budget", type_=Interval))
     )
 
 
@@ -144,10 +240,11 @@ def probe_failed() -> Executable:
 
 
 @cache
-def probe_inconclusive() -> Executable:
-    """A probe of the OPEN epoch `:at_epoch` failed as the message's own fault (message,
-    permanent, a snooze): nothing learnt about the dependency, so the failure count
-    stays, but the next probe still waits: now + `:delay` (the current interval)."""
+def probe_again() -> Executable:
+    """The next probe of the OPEN epoch `:at_epoch` is due at now + `:delay`, the failure
+    count kept: after an inconclusive probe (message, permanent, a snooze: nothing
+    learnt about the dependency, but the next probe still waits the current interval),
+    or with `:delay` 0 to free the slot a probe reserved."""
     return (
         update(br)
         .where(_open_at_epoch())
@@ -183,7 +280,21 @@ def close() -> Executable:
         .returning(br.c.group_id, br.c.epoch)
         .cte("flipped")
     )
-    return _recorded(flipped, t.CLOSED)
+    # the probe's own refund (`:refunded` rows, written in the same transaction)
+    return (
+        insert(hist)
+        .from_select(
+            ["group_id", "epoch", "state", "by_member", "refunded"],
+            select(
+                flipped.c.group_id,
+                flipped.c.epoch,
+                t.CLOSED,
+                bindparam("member"),
+                bindparam("refunded", type_=BigInteger),
+            ),
+        )
+        .returning(hist.c.epoch)
+    )
 
 
 PROBE_KINDS = ("due", "retry", "dead")
@@ -345,24 +456,41 @@ def lock_held() -> Executable:
     )
 
 
+def _probe_lease() -> ColumnElement[bool]:
+    return and_(
+        d.c.group_id == bindparam("gid"),
+        d.c.message_id == bindparam("id", type_=BigInteger),
+        d.c.lease_seq == bindparam("seq", type_=BigInteger),
+        d.c.lease_owner == bindparam("member"),
+    )
+
+
+@cache
+def probe_charges() -> Executable:
+    """Whether the probe row on lease `:id`/`:seq` carries refundable charges (locked)."""
+    return (
+        select(d.c.refundable_attempts + d.c.refundable_reclaims > 0)
+        .where(_probe_lease())
+        .with_for_update()
+    )
+
+
 @cache
 def probe_done() -> Executable:
-    """The probe on lease `:id`/`:seq` succeeded: done, and its systemic charges refunded
-    (the dependency works: those failures were not the message's)."""
+    """The probe on lease `:id`/`:seq` succeeded: done, its systemic charges refunded
+    (the dependency works: those failures were not the message's), `refunds` +
+    `:refunded` (1 when it had charges) and its error class cleared."""
     return (
         update(d)
-        .where(
-            d.c.group_id == bindparam("gid"),
-            d.c.message_id == bindparam("id", type_=BigInteger),
-            d.c.lease_seq == bindparam("seq", type_=BigInteger),
-            d.c.lease_owner == bindparam("member"),
-        )
+        .where(_probe_lease())
         .values(
             state=t.DONE,
             attempts=func.greatest(0, d.c.attempts - d.c.refundable_attempts) + 1,
             reclaims=func.greatest(0, d.c.reclaims - d.c.refundable_reclaims),
             refundable_attempts=0,
             refundable_reclaims=0,
+            refunds=d.c.refunds + bindparam("refunded", type_=Integer),
+            error_class=None,
             lease_owner=None,
             lease_expires_at=None,
             updated_at=func.now(),

@@ -141,8 +141,15 @@ class GroupStore:
         """Write a successful group probe (refunding its systemic charges): (written,
         rows refunded: 0 or 1)."""
         params = {"gid": self.gid, "id": row.id, "seq": row.seq, "member": self.member}
-        found = conn.execute(breaker_sql.probe_done(), params).one_or_none()
-        return (False, 0) if found is None else (True, int(found[1]))
+        charged = conn.execute(breaker_sql.probe_charges(), params).scalar()
+        if charged is None:
+            return False, 0  # the lease is gone
+        refunded = 1 if charged else 0
+        conn.execute(breaker_sql.probe_done(), {**params, "refunded": refunded})
+        if refunded:
+            add = claim_sql.add_to_total("refunded_total")
+            conn.execute(add, {"gid": self.gid, "n": refunded})
+        return True, refunded
 
     def probe_succeeded(
         self, conn: Connection, row: Claimed, epoch: int

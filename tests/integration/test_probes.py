@@ -15,12 +15,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+import psycopg
 import pytest
-from helpers import FAST, rows, wait_until
+from helpers import FAST, pin_frontier, rows, wait_until
 from sqlalchemy import Engine
 
 import pgq
+from pgq import monitor
 from pgq.consumer.prober import PROBE_THREAD
+from pgq.store import GroupStore, group_info, probe_lock, probe_lock_key, run_once
 
 pytestmark = pytest.mark.slow
 
@@ -75,13 +78,16 @@ def open_group(engine: Engine, schema: str, epoch: int = 1) -> None:
     )
 
 
-def kill_all_systemic(engine: Engine, schema: str, attempts: int, epoch: int = 0) -> None:
-    """Every row dead of systemic failures (as the outage under `epoch` left it)."""
+def kill_all_systemic(
+    engine: Engine, schema: str, attempts: int, epoch: int = 0, where: str = "true"
+) -> None:
+    """Every row (matching `where`) dead of systemic failures, as the outage under
+    `epoch` left it."""
     sql(
         engine,
         f"UPDATE \"{schema}\".delivery SET state = 'dead', error_class = 'systemic',"
         f" error_epoch = {epoch}, attempts = {attempts}, refundable_attempts = {attempts},"
-        " last_error = 'ConnectionError: dependency down'",
+        f" last_error = 'ConnectionError: dependency down' WHERE {where}",
     )
 
 
@@ -232,3 +238,133 @@ def test_inconclusive_probes_wait_the_probe_interval_and_take_another_row(topic,
     with engine.connect() as conn:
         failures = conn.exec_driver_sql(f'SELECT probe_failures FROM "{schema}".breaker').scalar()
     assert failures == 0
+
+
+# -- defect 10: the smaller ones --------------------------------------------------------
+
+
+def test_prober_turns_count_consecutive_systemic_failures(topic, schema, consumers, caplog):
+    """`breaker_prober_turns` = 2 and probes systemic, inconclusive, systemic, systemic:
+    the prober sits out after the fourth probe, not the third (an inconclusive probe
+    resets the count; before, it did not)."""
+    engine = topic
+    pgq.publish_many(engine, "t", [{"i": i} for i in range(10)])
+    open_group(engine, schema)
+    probes = Probes()
+    script = [ConnectionError, ValueError, ConnectionError, ConnectionError]
+
+    def handler(msg: pgq.Message) -> None:
+        if probes.note(msg):
+            n = len(probes.ids())
+            raise script[n - 1]("scripted") if n <= len(script) else ConnectionError("down")
+
+    caplog.set_level(logging.INFO, logger="pgq.breaker")
+    consumers(engine, handler, max_attempts=50, breaker_prober_turns=2)
+
+    def sat_out() -> list[float]:
+        return [r.created for r in caplog.records if "sits out" in r.getMessage()]
+
+    wait_until(sat_out, 20, "the prober to sit out", describe=probes.ids)
+    times = probes.times()
+    assert len(times) >= 4, times
+    assert sat_out()[0] > times[3] - 0.01, (sat_out(), times)
+
+
+def test_successful_probe_clears_its_error_class_and_counts_its_refund(topic, schema, consumers):
+    """The probe row that closed the group: done, error class cleared, its systemic
+    charges refunded and counted in `refunded` and in the close's history row
+    (before: error_class stayed 'systemic' and `refunded` stayed 0)."""
+    engine = topic
+    pin_frontier(engine, "t")  # keeps the done row from being pruned
+    row = pgq.publish(engine, "t", {"i": 1})
+    kill_all_systemic(engine, schema, attempts=2, where=f"message_id = {row}")
+    open_group(engine, schema)
+    consumers(engine, lambda msg: None)
+    wait_until(lambda: rows(engine, "g")[row].state == "done", 20, "the probe to succeed")
+    wait_until(lambda: breaker_state(engine) == "CLOSED", 20, "the group to close")
+    done = rows(engine, "g")[row]
+    assert (done.error_class, done.attempts, done.refundable_attempts) == (None, 1, 0)
+    assert done.refunds == 1
+    assert pgq.status(engine, "g")["totals"]["refunded"] == 1
+    closes = [h for h in monitor.breaker_info(engine, "g")["history"] if h["state"] == "CLOSED"]
+    assert [h["refunded"] for h in closes] == [1]
+
+
+def lock_backends(engine: Engine, pg_dsn: str, schema: str) -> list[int]:
+    """The backends holding the probe lock of group `g`."""
+    key = probe_lock_key(schema, "g")
+    with psycopg.connect(pg_dsn) as conn:
+        found = conn.execute(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND classid = %s AND objid = %s AND objsubid = 1",
+            ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
+        ).fetchall()
+    return [pid for (pid,) in found]
+
+
+def terminate(pg_dsn: str, pid: int) -> None:
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+
+def test_status_names_no_prober_once_its_lock_is_lost(topic, schema, pg_dsn):
+    """`pgq status` derives the prober from pg_locks: when the lock connection is gone
+    the name goes with it (before: the stored name stayed)."""
+    engine = topic
+    open_group(engine, schema)
+    info = group_info(engine, "g")
+    store = GroupStore(info.id, "g", "t", "lonely", 30, 3)
+    run_once(engine, store.join, 30.0, True)
+    lock = probe_lock(engine, "g")
+    try:
+        assert lock.acquire()
+        assert lock.conn is not None
+        store.set_prober(lock.conn)
+        assert pgq.status(engine, "g")["breaker"]["prober"] == "lonely"
+        (pid,) = lock_backends(engine, pg_dsn, schema)
+        terminate(pg_dsn, pid)
+        wait_until(lambda: not lock_backends(engine, pg_dsn, schema), 10, "the lock to go")
+        assert pgq.status(engine, "g")["breaker"]["prober"] is None
+    finally:
+        lock.release()
+
+
+def test_after_a_lock_loss_only_one_probe_runs_at_a_time(topic, schema, pg_dsn, consumers):
+    """The prober's lock connection dies while its probe runs: another member wins the
+    election but does not probe until that probe has finished (before: it probed at
+    once, two probes in flight); the group then closes once."""
+    engine = topic
+    pgq.publish_many(engine, "t", [{"i": i} for i in range(10)])
+    open_group(engine, schema)
+    spans: list[list[float]] = []
+    release = threading.Event()
+
+    def handler(msg: pgq.Message) -> None:
+        if threading.current_thread().name != PROBE_THREAD:
+            return
+        span = [time.monotonic(), float("inf")]
+        spans.append(span)
+        if len(spans) == 1:
+            release.wait(10)
+        span[1] = time.monotonic()
+
+    consumers(engine, handler, name="a", handler_timeout=5)
+    wait_until(lambda: spans, 20, "the first probe to start")
+    (first,) = lock_backends(engine, pg_dsn, schema)
+    consumers(engine, handler, name="b", handler_timeout=5)
+    terminate(pg_dsn, first)
+    wait_until(
+        lambda: [p for p in lock_backends(engine, pg_dsn, schema) if p != first],
+        20,
+        "another member to win the election",
+    )
+    deadline = time.monotonic() + 1.5  # the first probe still runs: watch for a second
+    while time.monotonic() < deadline and len(spans) < 2:
+        time.sleep(0.05)
+    release.set()
+    wait_until(lambda: breaker_state(engine) == "CLOSED", 30, "the group to close")
+    ordered = sorted(spans)
+    for earlier, later in itertools.pairwise(ordered):
+        assert later[0] >= earlier[1], ordered
+    closes = [h for h in monitor.breaker_info(engine, "g")["history"] if h["state"] == "CLOSED"]
+    assert len(closes) == 1

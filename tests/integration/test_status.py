@@ -156,7 +156,9 @@ def test_breaker_history_newest_first(billing):
             .values(state="OPEN", epoch=1, prober="m1")
         )
     info = st.breaker_info(billing, "billing")
-    assert (info["state"], info["epoch"], info["prober"]) == ("OPEN", 1, "m1")
+    # the prober comes from pg_locks (tests/integration/test_probes.py), not from the
+    # stored name: no session holds m1's prober lock, so no prober is named
+    assert (info["state"], info["epoch"], info["prober"]) == ("OPEN", 1, None)
     assert [(x["epoch"], x["state"], x["refunded"]) for x in info["history"]] == [
         (1, "CLOSED", 7),
         (0, "OPEN", 0),
