@@ -182,7 +182,9 @@ class Prober(Role):
         """
         m, s = self.member, self.member.settings
         budget = s.handler_timeout + PROBE_SLACK
-        row = self.conn.run(m.store.claim_probe, epoch, s.breaker_max_refunds, budget)
+        row = self.conn.run(
+            m.store.claim_probe, epoch, s.breaker_max_refunds, budget, s.breaker_member_ttl
+        )
         if row is None:
             return None
         m.hold([row])

@@ -26,6 +26,7 @@ from sqlalchemy import (
     insert,
     literal,
     literal_column,
+    or_,
     select,
     table,
     update,
@@ -199,18 +200,45 @@ def prober_of(gid: ColumnElement[Any]) -> Any:
     )
 
 
+def _probe_in_flight() -> ColumnElement[bool]:
+    """A probe of this OPEN outage is still running: a row of the group leased since the
+    group opened (while OPEN the claim statement gives no row out, so only probes are
+    leased then), unexpired, held by a live member (`:ttl`; DESIGN §6.2). A prober
+    killed mid-probe stops counting at once, a paused one after `:ttl`."""
+    holder_live = (
+        select(literal(1))
+        .select_from(mb)
+        .where(mb.c.group_id == d.c.group_id, mb.c.name == d.c.lease_owner, member_live())
+        .exists()
+    )
+    return (
+        select(literal(1))
+        .select_from(d)
+        .where(
+            d.c.group_id == br.c.group_id,
+            d.c.state == t.LEASED,
+            d.c.updated_at >= br.c.since,
+            d.c.lease_expires_at > func.now(),
+            holder_live,
+        )
+        .exists()
+    )
+
+
 @cache
 def probe_slot() -> Executable:
-    """Lock `:gid`'s breaker row if it is OPEN at `:at_epoch` and the next probe is due.
+    """Lock `:gid`'s breaker row if it is OPEN at `:at_epoch` and a probe may start: the
+    next probe time has come, or no probe is in flight (its prober died mid-probe).
 
     The probe claim runs in the same transaction and then `reserve_probe`s the slot,
     so of two probers (one that lost its lock mid-probe and its successor) only one
-    probe is in flight: the other sees the next probe not yet due.
+    probe is in flight: the other waits for the first one's outcome.
     """
+    due = func.coalesce(br.c.next_probe_at <= func.now(), True)
     return (
         select(br.c.group_id)
-        .where(_open_at_epoch(), func.coalesce(br.c.next_probe_at <= func.now(), True))
-        .with_for_update()
+        .where(_open_at_epoch(), or_(due, ~_probe_in_flight()))
+        .with_for_update(of=br)
     )
 
 

@@ -107,17 +107,18 @@ class GroupStore:
         return self._claimed(run_hot(conn, claim_sql.claim(limit), params), epoch, probe)
 
     def claim_probe(
-        self, conn: Connection, epoch: int, max_refunds: int, budget: float
+        self, conn: Connection, epoch: int, max_refunds: int, budget: float, ttl: float
     ) -> Claimed | None:
         """Lease the group probe of the OPEN `epoch` (DESIGN §6.4): a row due now, else the
         systemic retry due soonest, else a dead systemic row under the refund cap; within
         each kind the rows not yet probed in this outage first, then the least
         recently probed.
 
-        Only when the stored next probe time has come, and then it reserves the next
-        `budget` seconds (the probe's time limit) in the same transaction: one probe
-        in flight per group, even when a prober lost its lock mid-probe. None when the
-        probe is not due (or the group moved on) or there is nothing to probe with.
+        Only when the stored next probe time has come, or no probe is in flight (its
+        holder not live within `ttl`), and then it reserves the next `budget` seconds
+        (the probe's time limit) in the same transaction: one probe in flight per
+        group, even when a prober lost its lock mid-probe. None when no probe may
+        start (or the group moved on) or there is nothing to probe with.
         """
         params = {
             "gid": self.gid,
@@ -125,6 +126,7 @@ class GroupStore:
             "lease": self.lease,
             "at_epoch": epoch,
             "max_refunds": max_refunds,
+            "ttl": dt.timedelta(seconds=ttl),
         }
         if conn.execute(breaker_sql.probe_slot(), params).one_or_none() is None:
             return None
