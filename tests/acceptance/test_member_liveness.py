@@ -151,11 +151,20 @@ def test_a_paused_member_whose_name_was_taken_over_stops_when_it_resumes(
     wait_until(lambda: "member joined" in log.read_text(), 15, "a to join")
     os.kill(a.pid, signal.SIGSTOP)
     try:
+        # a paused member stops counting once its heartbeat is older than member_ttl
+        wait_until(
+            lambda: (
+                [m["live"] for m in pgq.status(orders, "billing", member_ttl=1.0)["members"]]
+                == [False]
+            ),
+            10,
+            "a to stop counting",
+        )
         b_env = consumer_env(pgq_env, tmp_path, TESTQ_TAG="b", **ENV, **short)
         b_log = tmp_path / "b.log"
         b = spawn_pgq(b_env, "consume", "billing", *args, log=b_log)
         procs.append(b)
-        # b waits out a's member_ttl (a's session is still there), then takes over
+        # a's session still holds its lock: b takes the name over from the silent row
         wait_until(lambda: "member joined" in b_log.read_text(), 20, "b to take the name over")
     finally:
         os.kill(a.pid, signal.SIGCONT)
