@@ -79,7 +79,7 @@ def record_failures() -> Executable:
     systemic = o.c["class"] == t.SYSTEMIC
     return (
         update(d)
-        .where(fenced(), d.c.message_id == o.c.message_id)
+        .where(fenced(), d.c.message_id == o.c.message_id, d.c.lease_seq == o.c.seq)
         .values(
             state=o.c.state,
             attempts=d.c.attempts + o.c.charge,

@@ -408,3 +408,32 @@ def test_exceptions_that_cannot_be_read_or_classified_fail_as_message(orders):
         assert (found[mid].state, found[mid].error_class) == ("dead", "message"), kind
     assert "could not be classified" in found[ids[0]].last_error
     assert "'120'" in found[ids[1]].last_error
+
+
+def test_a_stale_failure_in_the_same_batch_as_the_current_one_does_not_apply(orders, schema):
+    """Found by the stateful model: the failure statement matched each outcome to its
+    row by message id, so a stale outcome written in the same batch as the current
+    lease's could be applied in its place."""
+    from pgq.records import Outcome
+    from pgq.store import GroupStore, group_info, run_once
+
+    engine = orders
+    pin_frontier(engine, "orders")
+    mid = pgq.publish(engine, "orders", {"n": 1})
+    info = group_info(engine, "billing")
+    store = GroupStore(info.id, "billing", "orders", "m", 30.0, 3)
+    [stale] = run_once(engine, store.claim, 1, 0)
+    with engine.begin() as conn:  # its lease ended and was swept
+        conn.execute(
+            text(f"UPDATE \"{schema}\".delivery SET lease_expires_at = now() - interval '1s'")
+        )
+    assert run_once(engine, store.sweep).reclaimed == 1
+    [current] = run_once(engine, store.claim, 1, 0)
+    assert (stale.id, stale.seq != current.seq) == (current.id, True)
+    outcomes = [
+        Outcome(stale, "dead", error_class="permanent", error="stale"),
+        Outcome(current, "retry", delay=0.0, error_class="message", error="current"),
+    ]
+    assert run_once(engine, store.record, outcomes) == {current.lease}
+    row = rows(engine, "billing")[mid]
+    assert (row.state, row.attempts, row.last_error) == ("ready", 1, "current")
