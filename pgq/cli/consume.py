@@ -13,6 +13,7 @@ This is the only place that installs signal handlers.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -139,23 +140,24 @@ def consume(
     )
     handler = load_handler(handler_path)
     consumer = Consumer(state.engine, group, handler, settings=settings, name=name)
-    if metrics_port is not None:
-        from pgq.metrics import serve_metrics
+    with contextlib.ExitStack() as serving:
+        if metrics_port is not None:
+            from pgq.metrics import serving_metrics
 
-        serve_metrics(metrics_port, consumer)
-    install_signal_handlers(consumer)
-    try:
-        summary = consumer.run(
-            until_empty=until_empty,
-            max_messages=max_messages,
-            max_runtime=runtime,
-            wait_retries=retries,
-        )
-    except DatabaseUnavailable as exc:
-        if until_empty:
-            click.echo(f"pgq: database unavailable, try later: {exc}", err=True)
-            sys.exit(EX_TEMPFAIL)
-        raise
+            serving.enter_context(serving_metrics(metrics_port, consumer))
+        install_signal_handlers(consumer)
+        try:
+            summary = consumer.run(
+                until_empty=until_empty,
+                max_messages=max_messages,
+                max_runtime=runtime,
+                wait_retries=retries,
+            )
+        except DatabaseUnavailable as exc:
+            if until_empty:
+                click.echo(f"pgq: database unavailable, try later: {exc}", err=True)
+                sys.exit(EX_TEMPFAIL)
+            raise
     click.echo(
         f"handled={summary.handled} done={summary.done} retried={summary.retried} "
         f"dead={summary.dead} released={summary.released} reclaimed={summary.reclaimed} "

@@ -101,6 +101,12 @@ class Consumer:
         self._grace = self.settings.shutdown_grace
 
     @property
+    def started(self) -> bool:
+        """True once the member has joined its group (and still after it stopped):
+        `snapshot()` and `breaker_states()` answer from then on."""
+        return self._runtime is not None
+
+    @property
     def clean(self) -> bool:
         """False after a shutdown that left handlers running or outcomes unwritten."""
         return self._runtime is None or self._runtime.clean
