@@ -4,7 +4,8 @@ Exit codes (DESIGN §7): 0 when it finished what it was asked (drained with
 `--until-empty`, reached a limit, or stopped by SIGTERM/SIGINT after a clean
 shutdown); 75 when `--until-empty` stopped because a breaker is open (or the
 database could not be reached within `lease` seconds); 2 on bad usage or
-configuration; 1 otherwise (a second signal, handlers that overran the grace).
+configuration, a refused login or a missing database included (at once, never
+retried); 1 otherwise (a second signal, handlers that overran the grace).
 
 The settings are built once here, in the CLI's layers (the config file, then
 `PGQ_*` variables, then the flags), and handed to `Consumer` as one object.
@@ -27,7 +28,7 @@ import click
 
 from pgq.cli.base import State, pass_state
 from pgq.consumer import Consumer
-from pgq.errors import DatabaseUnavailable, HandlerImportError
+from pgq.errors import BadDsn, DatabaseUnavailable, HandlerImportError
 from pgq.settings import load_settings, parse_duration
 
 __all__ = ["EX_TEMPFAIL", "consume", "install_signal_handlers", "load_handler"]
@@ -154,7 +155,8 @@ def consume(
                 wait_retries=retries,
             )
         except DatabaseUnavailable as exc:
-            if until_empty:
+            # a refused login or a missing database is configuration (BadDsn): exit 2
+            if until_empty and not isinstance(exc, BadDsn):
                 click.echo(f"pgq: database unavailable, try later: {exc}", err=True)
                 sys.exit(EX_TEMPFAIL)
             raise

