@@ -216,12 +216,11 @@ def frontier_held_by(engine: Engine) -> dict[str, Any] | None:
 
 
 def _dead_parts(dead: Mapping[str, int], pending: int) -> str:
-    systemic_real = dead["systemic"] - dead["capped"] - pending
     parts = [
         (dead["message"], "message"),
         (dead["permanent"], "permanent"),
         (dead["lease"], "lease"),
-        (systemic_real, "systemic, not owed a refund"),
+        (dead["systemic"], "systemic, not owed a refund"),
         (dead["capped"], "systemic, refund cap reached"),
     ]
     known = sum(n for n, _ in parts)

@@ -166,12 +166,21 @@ Index(
 )
 # frontier: rows of one group in commit order
 Index("delivery_frontier_idx", delivery.c.group_id, delivery.c.xid, delivery.c.message_id)
-# reconciliation and `pgq dead`: failed rows only
+# `pgq dead` and `pgq check`: failed rows only
 Index(
     "delivery_failed_idx",
     delivery.c.group_id,
     delivery.c.error_class,
     postgresql_where=delivery.c.error_class.is_not(None),
+)
+# reconciliation: the rows an outage charged, by the epoch of their last charge
+# (schema version 2; the predicate is `pgq.sql.refunds.carries_charges()`)
+charged_index = Index(
+    "delivery_charged_idx",
+    delivery.c.group_id,
+    delivery.c.error_epoch,
+    postgresql_where=delivery.c.refundable_attempts + delivery.c.refundable_reclaims
+    > literal_column("0"),
 )
 
 member = Table(

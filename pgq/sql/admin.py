@@ -33,6 +33,7 @@ from sqlalchemy.schema import DropSchema
 from sqlalchemy.sql import ColumnElement, Executable, Select
 
 from pgq import schema as t
+from pgq.sql.refunds import charged_within
 
 d, br, g, audit = t.delivery, t.breaker, t.consumer_group, t.audit
 
@@ -76,26 +77,34 @@ def check_group() -> Select[Any]:
 def check_dead() -> Executable:
     """Dead rows of group `:gid` by what they mean for alerting.
 
-    `dead` every dead row; `message`, `permanent`, `lease`, `systemic` per error
-    class; `capped` systemic rows refunded `:max_refunds` times already (they
-    stay dead); `pending` systemic rows below the cap whose failure lies in the
-    epochs `[:pending_from, :pending_to)` that the owed or coming reconciliation
-    covers (NULL bounds: none are pending).
+    `dead` every dead row; `pending` the rows the owed or coming reconciliation
+    will bring back: charged by the outage within the epochs
+    `[:pending_from, :pending_to)` and refunded fewer than `:max_refunds` times
+    (NULL bounds: none are pending); `capped` systemic rows that reached the
+    refund cap (they stay dead); the rest by error class: `message`,
+    `permanent`, `lease`, `systemic` (each count leaves out the pending and
+    capped rows, so the parts add up to `dead`).
     """
-    systemic = d.c.error_class == t.SYSTEMIC
     below_cap = d.c.refunds < bindparam("max_refunds", type_=Integer)
-    in_scope = and_(
-        d.c.error_epoch >= bindparam("pending_from", type_=Integer),
-        d.c.error_epoch < bindparam("pending_to", type_=Integer),
+    pending = func.coalesce(
+        and_(
+            below_cap,
+            charged_within(
+                bindparam("pending_from", type_=Integer), bindparam("pending_to", type_=Integer)
+            ),
+        ),
+        False,
     )
+    capped = and_(d.c.error_class == t.SYSTEMIC, ~below_cap)
+    real = and_(~pending, ~capped)
     return select(
         func.count().label("dead"),
         func.count().filter(d.c.error_class == "message").label("message"),
         func.count().filter(d.c.error_class == "permanent").label("permanent"),
-        func.count().filter(d.c.error_class == "lease").label("lease"),
-        func.count().filter(systemic).label("systemic"),
-        func.count().filter(and_(systemic, ~below_cap)).label("capped"),
-        func.count().filter(and_(systemic, below_cap, in_scope)).label("pending"),
+        func.count().filter(and_(d.c.error_class == "lease", real)).label("lease"),
+        func.count().filter(and_(d.c.error_class == t.SYSTEMIC, real)).label("systemic"),
+        func.count().filter(capped).label("capped"),
+        func.count().filter(pending).label("pending"),
     ).where(
         d.c.group_id == bindparam("gid", type_=Integer),
         d.c.state == t.DEAD,

@@ -36,6 +36,7 @@ from sqlalchemy.sql import ColumnElement, Executable
 from pgq import schema as t
 from pgq.sql.claim import lease_picked
 from pgq.sql.members import member_live
+from pgq.sql.refunds import carries_charges, charged_within
 
 br, hist, mb, d, g = t.breaker, t.breaker_history, t.member, t.delivery, t.consumer_group
 
@@ -328,8 +329,8 @@ def close() -> Executable:
 PROBE_KINDS = ("due", "retry", "dead")
 """The kinds of probe row, in the order they are tried (DESIGN §6.4): a ready row due
 now, else the ready row whose systemic retry is due soonest (only those may be probed
-ahead of their time, never a row the user scheduled), else a dead systemic row under
-the refund cap."""
+ahead of their time, never a row the user scheduled), else a dead row the outage
+charged (systemic, or reclaimed while a breaker was open) under the refund cap."""
 
 
 def _probed_here() -> ColumnElement[bool]:
@@ -338,6 +339,8 @@ def _probed_here() -> ColumnElement[bool]:
     Derived, not stored: a failure's `error_epoch` is the epoch its attempt was
     claimed under, and while the group is OPEN the claim statement gives no row
     out, so the only attempts that can fail under the OPEN epoch are its probes.
+    (A lease that expires while the group is OPEN is charged under it too: that
+    row merely waits behind the rows not yet probed.)
     Such a row's `updated_at` is when its probe's outcome was written (a ready or
     dead row is not touched again until it is claimed), so it orders the probed
     rows least recently probed first.
@@ -369,7 +372,7 @@ def claim_probe(kind: str, probed: bool) -> Executable:
     elif kind == "dead":
         where = and_(
             d.c.state == t.DEAD,
-            d.c.error_class == t.SYSTEMIC,
+            carries_charges(),
             d.c.refunds < bindparam("max_refunds", type_=Integer),
         )
         natural = ()
@@ -393,22 +396,24 @@ def claim_probe(kind: str, probed: bool) -> Executable:
 
 @cache
 def reconcile_batch() -> Executable:
-    """Refund up to `:limit` systemic rows of `:gid` for the close `:close_epoch`.
+    """Refund up to `:limit` rows of `:gid` the outage charged, for the close `:close_epoch`.
 
-    A row qualifies when its last failure was systemic, happened at or after
-    epoch `:from_epoch` (the previous close) and before the close, it is dead or
-    ready for a retry (due or not), and it has been refunded fewer than
-    `:max_refunds` times. It becomes ready now with its refundable attempts and reclaims
-    subtracted; its error class is cleared, so no close refunds it twice.
+    A row qualifies when it carries refundable charges made at or after epoch
+    `:from_epoch` (the previous close) and before the close, whatever its last
+    error class (a row that died of reclaims during the outage too), it is dead
+    or ready (a retry due or not, a snooze), and it has been refunded fewer than
+    `:max_refunds` times. Its refundable attempts and reclaims are subtracted and
+    cleared, so no close refunds it twice. A dead row or a systemic retry becomes
+    ready now; a row the user scheduled (a snooze) keeps its time.
     Returns how many rows were refunded (and adds them to the totals).
     """
     batch = (
         select(d.c.message_id)
         .where(
             d.c.group_id == bindparam("gid"),
-            d.c.error_class == t.SYSTEMIC,
-            d.c.error_epoch >= bindparam("from_epoch", type_=Integer),
-            d.c.error_epoch < bindparam("close_epoch", type_=Integer),
+            charged_within(
+                bindparam("from_epoch", type_=Integer), bindparam("close_epoch", type_=Integer)
+            ),
             d.c.refunds < bindparam("max_refunds", type_=Integer),
             d.c.state.in_([t.DEAD, t.READY]),
         )
@@ -421,7 +426,10 @@ def reconcile_batch() -> Executable:
         .where(d.c.group_id == bindparam("gid"), d.c.message_id == batch.c.message_id)
         .values(
             state=t.READY,
-            available_at=func.now(),
+            available_at=case(
+                (or_(d.c.state == t.DEAD, d.c.error_class == t.SYSTEMIC), func.now()),
+                else_=d.c.available_at,
+            ),
             attempts=func.greatest(0, d.c.attempts - d.c.refundable_attempts),
             reclaims=func.greatest(0, d.c.reclaims - d.c.refundable_reclaims),
             refundable_attempts=0,

@@ -26,6 +26,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
+from pgq.sql.refunds import charged_within
 
 d, m = t.delivery, t.message
 
@@ -57,7 +58,7 @@ def claim(limit: int) -> Executable:
     last gate, so a member that has not heard of the open yet (it just started,
     its heartbeat is due) cannot take rows either; the prober's probe claim is
     separate. While a close still owes a reconciliation, skips the rows it owes a
-    refund (systemic, failed within the owed epochs): run first, they would run at
+    refund (charged within the owed epochs): run first, they would run at
     a high attempt number and could die early, and no later close would refund
     them. The reconciler makes them ready again, refunded, batch by batch.
     """
@@ -69,9 +70,7 @@ def claim(limit: int) -> Executable:
         select(column).where(br.c.group_id == bindparam("gid")).scalar_subquery()
         for column in (br.c.reconcile_from_epoch, br.c.reconcile_epoch)
     )
-    owed = and_(
-        d.c.error_class == t.SYSTEMIC, d.c.error_epoch >= owed_from, d.c.error_epoch < owed_to
-    )
+    owed = charged_within(owed_from, owed_to)
     pick = (
         select(d.c.message_id)
         .where(d.c.group_id == bindparam("gid"), d.c.state == t.READY)
@@ -156,7 +155,10 @@ def sweep_expired() -> Executable:
     Each goes back to ready (`reclaims` + 1), or dead with class `lease` past
     `:max_reclaims`. The reclaim is refundable when the group's breaker was
     open, the holder's local breaker was open, or the row's last failure was
-    systemic. Returns the reclaimed rows' ids and new state.
+    systemic: it is then charged under the current epoch (`error_epoch`), so
+    the close of that outage refunds it, dead or not. A row that dies of a
+    reclaim that was not refundable died for itself: its charges are dropped,
+    so no close brings it back. Returns the reclaimed rows' ids and new state.
     """
     br, mb = t.breaker, t.member
     expired = (
@@ -185,23 +187,28 @@ def sweep_expired() -> Executable:
         )
         .exists()
     )
-    refundable = or_(group_open, holder_open, d.c.error_class == t.SYSTEMIC)
+    last_systemic = func.coalesce(d.c.error_class == t.SYSTEMIC, False)  # never NULL
+    refundable = or_(group_open, holder_open, last_systemic)
     dies = d.c.reclaims + 1 > bindparam("max_reclaims", type_=Integer)
+    forfeits = and_(dies, ~refundable)
+    epoch = select(br.c.epoch).where(br.c.group_id == d.c.group_id).scalar_subquery()
     return (
         update(d)
         .where(d.c.group_id == bindparam("gid"), d.c.message_id == expired.c.message_id)
         .values(
             state=case((dies, t.DEAD), else_=t.READY),
             reclaims=d.c.reclaims + 1,
-            refundable_reclaims=d.c.refundable_reclaims + case((refundable, 1), else_=0),
+            refundable_attempts=case((forfeits, 0), else_=d.c.refundable_attempts),
+            refundable_reclaims=case(
+                (forfeits, 0),
+                (refundable, d.c.refundable_reclaims + 1),
+                else_=d.c.refundable_reclaims,
+            ),
             error_class=case((dies, "lease"), else_=d.c.error_class),
             last_error=case(
                 (dies, "lease expired without an outcome too often"), else_=d.c.last_error
             ),
-            error_epoch=case(
-                (dies, select(br.c.epoch).where(br.c.group_id == d.c.group_id).scalar_subquery()),
-                else_=d.c.error_epoch,
-            ),
+            error_epoch=case((or_(dies, refundable), epoch), else_=d.c.error_epoch),
             lease_owner=None,
             lease_expires_at=None,
             updated_at=func.now(),

@@ -57,9 +57,12 @@ def record_failures() -> Executable:
 
     Per row: `states` (ready or dead), `charges` (1 for a finished attempt, 0
     for a snooze), `delays` (seconds until claimable again), `classes`
-    (error_class, NULL for a snooze: keeps the old one), `errors` (text),
-    `epochs` (the breaker epoch the attempt ran under). A systemic failure adds
-    one refundable attempt; any other failure resets the refundable charges.
+    (error_class, NULL for a snooze), `errors` (text), `epochs` (the breaker
+    epoch the attempt ran under). A systemic failure adds one refundable
+    attempt; any other failure resets the refundable charges. A snooze keeps
+    the charges but clears the error class: the row now waits for the time the
+    user asked for, not for a systemic retry, so no probe or refund runs it
+    before then.
     """
     o = (
         func.unnest(
@@ -84,7 +87,7 @@ def record_failures() -> Executable:
             state=o.c.state,
             attempts=d.c.attempts + o.c.charge,
             available_at=func.now() + o.c.delay * text("interval '1 second'"),
-            error_class=case((snooze, d.c.error_class), else_=o.c["class"]),
+            error_class=o.c["class"],
             last_error=case((snooze, d.c.last_error), else_=o.c.error),
             error_epoch=case((snooze, d.c.error_epoch), else_=o.c.epoch),
             refundable_attempts=case(

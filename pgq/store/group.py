@@ -110,7 +110,7 @@ class GroupStore:
         self, conn: Connection, epoch: int, max_refunds: int, budget: float, ttl: float
     ) -> Claimed | None:
         """Lease the group probe of the OPEN `epoch` (DESIGN §6.4): a row due now, else the
-        systemic retry due soonest, else a dead systemic row under the refund cap; within
+        systemic retry due soonest, else a dead row the outage charged under the refund cap; within
         each kind the rows not yet probed in this outage first, then the least
         recently probed.
 
@@ -288,7 +288,7 @@ class GroupStore:
     def reconcile_batch(
         self, conn: Connection, close_epoch: int, from_epoch: int, max_refunds: int, limit: int
     ) -> int:
-        """Refund one batch of systemic rows for this close; returns how many."""
+        """Refund one batch of the rows the outage charged, for this close; returns how many."""
         params = {
             "gid": self.gid,
             "close_epoch": close_epoch,

@@ -45,6 +45,8 @@ def kill(engine: Engine, ids: list[int], error_class: str, **values: Any) -> Non
         "error_class": error_class,
         "last_error": f"{error_class} failure",
         "error_epoch": 0,
+        # systemic failures are the outage's charges; any other failure clears them
+        "refundable_attempts": 3 if error_class == "systemic" else 0,
         **values,
     }
     set_rows(engine, ids, **fields)

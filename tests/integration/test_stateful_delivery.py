@@ -296,6 +296,7 @@ def applied_row(row: Row, spec: Spec) -> Row:
     new.state = "dead" if spec.kind == "dead" else "ready"
     new.delayed = spec.delay > 0
     if spec.kind == "snooze":
+        new.error_class = None  # waits for the user's time now, not a systemic retry
         return new
     new.attempts += 1
     new.error_class, new.last_error = spec.error_class, STORED_ERROR[spec.error or ""]
@@ -840,11 +841,14 @@ class DeliveryMachine(RuleBasedStateMachine):
         died = 0
         for row in due:
             row.reclaims += 1
-            if row.error_class == "systemic":
+            refundable = row.error_class == "systemic"  # no breaker opens in this model
+            if refundable:
                 row.refundable_reclaims += 1
             row.owner, row.expired = None, False
             if row.reclaims > MAX_RECLAIMS:
                 row.state, row.error_class, row.last_error = "dead", "lease", LOST_LEASE
+                if not refundable:  # it died of its own reclaims: no close brings it back
+                    row.refundable_attempts = row.refundable_reclaims = 0
                 died += 1
             else:
                 row.state = "ready"
