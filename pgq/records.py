@@ -75,6 +75,9 @@ class Claimed:
     """The group breaker epoch the attempt started under."""
     probe: bool = False
     """This row is a breaker probe."""
+    unreadable: str | None = None
+    """Why the stored message could not be decoded (its payload is then None): the
+    handler is not called and the attempt fails as `permanent`."""
 
     @property
     def id(self) -> int:

@@ -153,6 +153,16 @@ def invoke(
     return CliRunner().invoke(cli, list(args), env={**only, **extra_env}, input=stdin)
 
 
+def assert_usage_error(code: int, stderr: str, *, contains: str = "") -> None:
+    """Exit 2 with exactly one stderr line, `pgq: error: ...`, and no traceback."""
+    assert code == 2, stderr
+    lines = stderr.splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("pgq: error: "), stderr
+    assert "Traceback" not in stderr
+    assert contains in lines[0]
+
+
 def consumer_env(pgq_env: Mapping[str, str], out: Path, **extra: object) -> dict[str, str]:
     """Environment for a `pgq consume` subprocess using `tests/handlers.py`.
 

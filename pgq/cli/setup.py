@@ -38,6 +38,8 @@ def parse_json(text: str) -> Any:
     except json.JSONDecodeError as exc:
         where = f"line {exc.lineno} column {exc.colno}" if exc.lineno > 1 else f"column {exc.colno}"
         raise ValueError(f"{exc.msg} at {where}") from None
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def parse_json_lines(lines: Iterable[bytes | str]) -> list[Any]:

@@ -38,7 +38,12 @@ class Handling:
         self.settings = settings
 
     def run(self, row: Claimed) -> Outcome:
-        """Run the handler on `row` and return its outcome; never raises."""
+        """Run the handler on `row` and return its outcome; never raises.
+
+        A row whose message could not be decoded never reaches the handler: it
+        fails as `permanent` (no retry can make it readable)."""
+        if row.unreadable is not None:
+            return Outcome(row, "dead", error_class="permanent", error=row.unreadable)
         try:
             self.handler(row.message)
         except BaseException as exc:  # a handler's SystemExit must not kill the thread

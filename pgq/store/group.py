@@ -162,26 +162,46 @@ class GroupStore:
         return written, self.close(conn, epoch, refunded)
 
     def _claimed(self, rows: Iterable[Any], epoch: int, probe: bool = False) -> list[Claimed]:
+        rows = list(rows)
         group, topic, loads = self.group, self.topic, json.loads
-        return [
-            Claimed(
-                Message(
-                    r[_ID],
-                    topic,
-                    group,
-                    r[_KEY],
-                    loads(r[_PAYLOAD]),
-                    r[_HEADERS] and loads(r[_HEADERS]),
-                    r[_ATTEMPTS] + 1,
-                    r[_CREATED],
-                ),
-                r[_SEQ],
-                r[_ATTEMPTS],
-                epoch,
-                probe,
-            )
-            for r in rows
-        ]
+        try:
+            return [
+                Claimed(
+                    Message(
+                        r[_ID],
+                        topic,
+                        group,
+                        r[_KEY],
+                        loads(r[_PAYLOAD]),
+                        r[_HEADERS] and loads(r[_HEADERS]),
+                        r[_ATTEMPTS] + 1,
+                        r[_CREATED],
+                    ),
+                    r[_SEQ],
+                    r[_ATTEMPTS],
+                    epoch,
+                    probe,
+                )
+                for r in rows
+            ]
+        except (RecursionError, ValueError):  # written by another client: row by row
+            return [self._claimed_carefully(r, epoch, probe) for r in rows]
+
+    def _claimed_carefully(self, r: Any, epoch: int, probe: bool) -> Claimed:
+        """One claimed row whose payload or headers may not decode (nested deeper
+        than Python's JSON decoder goes): such a row is claimed `unreadable`."""
+        try:
+            payload = json.loads(r[_PAYLOAD])
+            headers = r[_HEADERS] and json.loads(r[_HEADERS])
+            unreadable = None
+        except (RecursionError, ValueError) as exc:
+            payload = headers = None
+            unreadable = f"the stored message cannot be decoded: {type(exc).__name__}: {exc}"
+            logger.warning("message cannot be decoded id=%d group=%s", r[_ID], self.group)
+        message = Message(
+            r[_ID], self.topic, self.group, r[_KEY], payload, headers, r[_ATTEMPTS] + 1, r[_CREATED]
+        )
+        return Claimed(message, r[_SEQ], r[_ATTEMPTS], epoch, probe, unreadable)
 
     def extend(self, conn: Connection, leases: list[Lease]) -> set[Lease]:
         """Extend the given leases; returns those still held."""

@@ -86,6 +86,8 @@ def to_json(value: Any) -> str:
         return json.dumps(value, allow_nan=False, separators=(",", ":"))
     except (TypeError, ValueError) as exc:
         raise InvalidPayload(f"payload is not JSON-serialisable: {exc}") from None
+    except RecursionError:
+        raise InvalidPayload("payload is not JSON-serialisable: nested too deeply") from None
 
 
 def publish_many(

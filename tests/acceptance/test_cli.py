@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 from click.testing import CliRunner, Result
-from helpers import PGQ, invoke
+from helpers import PGQ, assert_usage_error, invoke
 from sqlalchemy import Engine, func, select
 
 from pgq import schema as t
@@ -21,16 +21,6 @@ def run(
     return subprocess.run(
         [*PGQ, *args], env=env, input=stdin, capture_output=True, text=True, timeout=60
     )
-
-
-def assert_usage_error(code: int, stderr: str, *, contains: str = "") -> None:
-    """Exit 2 with exactly one stderr line, `pgq: error: ...`, and no traceback."""
-    assert code == 2, stderr
-    lines = stderr.splitlines()
-    assert len(lines) == 1, stderr
-    assert lines[0].startswith("pgq: error: "), stderr
-    assert "Traceback" not in stderr
-    assert contains in lines[0]
 
 
 def messages(engine: Engine) -> int:
