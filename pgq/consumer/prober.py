@@ -8,6 +8,14 @@ saw: the lock only elects, it does not make writes safe), and reconciles
 (refunds the outage's systemic rows) in bounded batches. It checks its lock
 connection before every step and steps down at once on any error. If it dies,
 its connection drops, the lock frees itself and another member takes over.
+
+If it stops answering instead (SIGSTOP, a hung host), its connection lingers:
+so the server ends the lock's session once it has been idle for
+`breaker.member_ttl` (`idle_session_timeout`), and a live prober keeps that
+session busy more often than that, also while its probe's handler runs and
+while it waits for the next probe time. A prober that resumes after its
+session was ended finds the lock lost and steps down; its close, conditional on
+the epoch it saw, can no longer close a newer outage.
 """
 
 from __future__ import annotations
@@ -52,7 +60,9 @@ class Prober(Role):
         self.clock = clock
         self.done = threading.Event()
         self.conn = RoleConnection(member.engine, "prober", member.stopping)
-        self.lock = probe_lock(member.engine, member.store.group)
+        self.lock = probe_lock(
+            member.engine, member.store.group, idle_timeout=member.settings.breaker_member_ttl
+        )
         self.sitting_out = False
 
     # -- election ---------------------------------------------------------------
@@ -101,6 +111,17 @@ class Prober(Role):
     def _pause(self, seconds: float) -> None:
         self.member.stopping.wait(seconds)
 
+    def _hold(self, seconds: float) -> None:
+        """Wait `seconds` (or until stopping) while leading, keeping the lock's session
+        busy; raises `LostLock` as soon as the lock is gone."""
+        deadline = self.clock() + seconds
+        while not self.member.stopping.is_set():
+            left = deadline - self.clock()
+            if left <= 0:
+                return
+            self._pause(min(left, self.lock.keep_every))
+            self.lock.check()
+
     # -- leading ----------------------------------------------------------------
 
     def _lead(self) -> bool:
@@ -123,14 +144,14 @@ class Prober(Role):
                 if self.one_shot:
                     m.request_stop("breaker_open")
                     return True
-                self._pause(0.2)
+                self._hold(0.2)
                 continue
             outcome = self._probe(view.epoch)
             if outcome is None:  # not due after all, or nothing at all to probe with
                 if self.one_shot:
                     m.request_stop("breaker_open")
                     return True
-                self._pause(s.breaker_probe_interval)
+                self._hold(s.breaker_probe_interval)
                 continue
             if outcome.kind == "done":
                 continue  # closed (the next turn reconciles), or the lock was lost
@@ -217,14 +238,29 @@ class Prober(Role):
         return outcome
 
     def _attempt(self, row: Claimed) -> Outcome:
-        """The handler on the probe row, bounded by `handler_timeout`."""
+        """The handler on the probe row, bounded by `handler_timeout`.
+
+        While it runs (possibly longer than `breaker.member_ttl`) the lock's session
+        is kept busy. A lock lost meanwhile is left for `_probe` to find: the
+        handler's outcome is written either way.
+        """
         handling, timeout = self.member.handling, self.member.settings.handler_timeout
         result: list[Outcome] = []
         runner = threading.Thread(
             target=lambda: result.append(handling.run(row)), name=PROBE_THREAD, daemon=True
         )
         runner.start()
-        runner.join(timeout)
+        deadline, holding = self.clock() + timeout, True
+        while runner.is_alive():
+            left = deadline - self.clock()
+            if left <= 0:
+                break
+            runner.join(min(left, self.lock.keep_every))
+            if holding and runner.is_alive():
+                try:
+                    self.lock.check()
+                except LostLock:
+                    holding = False
         if result:
             return result[0]
         exc = TimeoutError(f"probe ran longer than handler_timeout ({timeout:g}s)")

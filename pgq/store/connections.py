@@ -4,7 +4,8 @@
   heartbeat, maintenance, prober), each call one transaction, retried with
   exponential backoff while the database is unavailable.
 - `SessionLock`: a dedicated connection outside any pool that holds a
-  session-level advisory lock: the group's probe lock (`probe_lock`) and each
+  session-level advisory lock: the group's probe lock (`probe_lock`, whose
+  session the server ends once it idles for `breaker.member_ttl`) and each
   member's liveness lock (`member_lock`).
 - `Listener`: the fetcher's LISTEN connection (autocommit, outside the pool).
 - `run_once`: one transaction on a pooled connection, for one-off calls.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +24,7 @@ from typing import Any, TypeVar, cast
 
 import psycopg
 from psycopg import sql as psql
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, bindparam, false, func, literal, select
 from sqlalchemy.sql import ClauseElement, Executable
 from tenacity import Retrying, retry_if_exception, wait_exponential
 
@@ -40,6 +42,12 @@ T = TypeVar("T")
 
 STOP_CHECK = 0.2
 """Longest stretch an idle listener waits without looking at its stop event."""
+
+IDLE_SESSION_TIMEOUT_SINCE = 140000
+"""The first server version (`server_version_num`) with `idle_session_timeout`."""
+
+KEEP_SHARE = 1 / 3
+"""A lock whose session ends when idle is touched at least this often (share of the limit)."""
 
 
 class RoleConnection:
@@ -178,6 +186,13 @@ class SessionLock:
     `take`, `held` and `release` are the statements (with `params`) that try the
     lock, tell whether this session still holds it, and unlock. Closing the
     connection frees the lock too, so a dead process never keeps it.
+
+    With `idle_timeout`, the server ends the lock's session once it has been idle
+    that long (`idle_session_timeout`, PostgreSQL 14 and later): a holder that stops
+    answering (SIGSTOP, a hung host) loses the lock even though its connection
+    lingers. The holder keeps the session busy by calling `check` at least every
+    `keep_every` seconds. Older servers lack the setting: the lock then lasts as
+    long as the session (one warning says so).
     """
 
     def __init__(
@@ -187,23 +202,56 @@ class SessionLock:
         held: Executable,
         release: Executable,
         params: dict[str, Any] | None = None,
+        *,
+        idle_timeout: float | None = None,
     ) -> None:
         self.engine = connect(
             conninfo_of(engine), schema=schema_of(engine), pool_size=None
         ).execution_options(isolation_level="AUTOCOMMIT")
         self._take, self._held, self._release = take, held, release
         self.params = params or {}
+        self.idle_timeout = idle_timeout
+        self.keep_every = math.inf if idle_timeout is None else idle_timeout * KEEP_SHARE
+        """Longest stretch the holder may leave the session idle."""
+        self._warned = False
         self.conn: Connection | None = None
 
     def acquire(self) -> bool:
         """Try to take the lock; False if another session holds it."""
         with wrap_errors():
             if self.conn is None:
-                self.conn = self.engine.connect()
+                conn = self.engine.connect()
+                try:
+                    self._end_when_idle(conn)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        conn.close()
+                    raise
+                self.conn = conn
             return bool(self.conn.execute(self._take, self.params).scalar())
 
+    def _end_when_idle(self, conn: Connection) -> None:
+        """Set the new session's `idle_session_timeout`, where the server has it."""
+        if self.idle_timeout is None:
+            return
+        driver = cast(psycopg.Connection[Any], conn.connection.driver_connection)
+        version = driver.info.server_version
+        if version >= IDLE_SESSION_TIMEOUT_SINCE:
+            ms = max(1, round(self.idle_timeout * 1000))
+            conn.execute(_idle_session_timeout(), {"ms": str(ms)})
+        elif not self._warned:
+            self._warned = True
+            logger.warning(
+                "idle_session_timeout needs PostgreSQL 14 server_version=%d: a paused"
+                " holder keeps its session lock for as long as its connection lasts",
+                version,
+            )
+
     def check(self) -> None:
-        """Raise `LostLock` unless the connection answers and pg_locks shows the lock."""
+        """Raise `LostLock` unless the connection answers and pg_locks shows the lock.
+
+        Also what keeps a lock with `idle_timeout` alive: each call is a statement.
+        """
         try:
             with wrap_errors():
                 if self.conn is None:
@@ -225,14 +273,30 @@ class SessionLock:
         self.engine.dispose()
 
 
-def probe_lock(engine: Engine, group: str) -> SessionLock:
-    """The lock that elects the prober of `group` (DESIGN §6.4)."""
+def _idle_session_timeout() -> Executable:
+    """End this session once it has been idle for `:ms` milliseconds."""
+    return select(func.set_config(literal("idle_session_timeout"), bindparam("ms"), false()))
+
+
+def probe_lock(engine: Engine, group: str, *, idle_timeout: float | None = None) -> SessionLock:
+    """The lock that elects the prober of `group` (DESIGN §6.4); its session ends once
+    idle for `idle_timeout` seconds (the prober passes `breaker.member_ttl`)."""
     key = probe_lock_key(schema_of(engine), group)
-    return SessionLock(engine, try_session_lock(key), breaker_sql.lock_held(), unlock_session(key))
+    return SessionLock(
+        engine,
+        try_session_lock(key),
+        breaker_sql.lock_held(),
+        unlock_session(key),
+        idle_timeout=idle_timeout,
+    )
 
 
 def member_lock(engine: Engine, gid: int, member: str) -> SessionLock:
-    """The lock a member's session holds while it runs: its liveness (DESIGN §6.2)."""
+    """The lock a member's session holds while it runs: its liveness (DESIGN §6.2).
+
+    Its session has no idle limit: liveness also needs a heartbeat younger than
+    `breaker.member_ttl`, so a paused member stops counting without losing it.
+    """
     return SessionLock(
         engine,
         member_sql.take_session_lock(),
