@@ -138,7 +138,7 @@ class FakeClock:
 
 
 def invoke(
-    env: Mapping[str, str], *args: str, stdin: str | None = None, **extra_env: str
+    env: Mapping[str, str], *args: str, stdin: str | bytes | None = None, **extra_env: str
 ) -> Result:
     """Run `pgq *args` in-process on the database and schema of `env` (a `pgq_env`).
 

@@ -96,15 +96,42 @@ def cli_error(exc: PgqError) -> CliError:
     return CliFailure(str(exc))
 
 
+_HELP_ASKED: tuple[type[Exception], ...] = tuple(
+    getattr(click.exceptions, name)
+    for name in ("NoArgsIsHelpError",)
+    if hasattr(click.exceptions, name)
+)
+"""click (8.2+) shows a group's help as a usage error when no command is given."""
+
+
+def usage_error(exc: click.UsageError) -> click.ClickException:
+    """click's usage error (usage, hint, blank line, error) as pgq's one line; a
+    group called without a command still shows its help."""
+    if isinstance(exc, _HELP_ASKED):
+        return exc
+    hint = f" (see '{exc.ctx.command_path} --help')" if exc.ctx is not None else ""
+    return CliError(exc.format_message() + hint)
+
+
 class PgqGroup(click.Group):
-    """A click group that maps `PgqError` to `CliError` for every command below it."""
+    """A click group that maps `PgqError` to `CliError` for every command below it,
+    and click's usage errors to the same one line."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            raise usage_error(exc) from None
 
     def invoke(self, ctx: click.Context) -> Any:
-        """Run the command; a `PgqError` becomes one line on stderr and its exit code."""
+        """Run the command; a `PgqError` or a usage error becomes one line on stderr
+        and its exit code."""
         try:
             return super().invoke(ctx)
         except PgqError as exc:
             raise cli_error(exc) from None
+        except click.UsageError as exc:
+            raise usage_error(exc) from None
 
 
 class CheckUnknown(click.ClickException):
