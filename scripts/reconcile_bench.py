@@ -89,7 +89,7 @@ def run(engine, schema: str, n: int) -> None:
         total += refunded
         if refunded == 0:
             break
-    run_once(engine, store.reconcile_done, close_epoch)
+    run_once(engine, store.reconcile_done, close_epoch, 0, 3)
     elapsed = time.perf_counter() - started
     stop.set()
     thread.join()

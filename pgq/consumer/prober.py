@@ -267,7 +267,9 @@ class Prober(Role):
         return handling.failure(row, exc)
 
     def _reconcile(self, close_epoch: int, from_epoch: int) -> None:
-        """Refund the outage's systemic rows in bounded batches (resumable)."""
+        """Refund the rows the outage charged in bounded batches (resumable). Finished
+        only when no row it owes is left: a batch skips rows another transaction
+        holds (a killed prober's batch runs on until the server sees its client gone)."""
         m, s = self.member, self.member.settings
         total, started = 0, time.monotonic()
         while not m.stopping.is_set():
@@ -281,7 +283,14 @@ class Prober(Role):
             )
             total += n
             if n == 0:
-                self.conn.run(m.store.reconcile_done, close_epoch)
+                if not self.conn.run(
+                    m.store.reconcile_done, close_epoch, from_epoch, s.breaker_max_refunds
+                ):
+                    # rows it owes are held by another transaction (or it was finished
+                    # meanwhile): look again after a pause
+                    logger.info("reconciliation waits for held rows close_epoch=%d", close_epoch)
+                    self._hold(min(1.0, s.breaker_heartbeat))
+                    return
                 logger.info(
                     "reconciliation finished close_epoch=%d refunded=%d seconds=%.2f",
                     close_epoch,

@@ -409,14 +409,7 @@ def reconcile_batch() -> Executable:
     """
     batch = (
         select(d.c.message_id)
-        .where(
-            d.c.group_id == bindparam("gid"),
-            charged_within(
-                bindparam("from_epoch", type_=Integer), bindparam("close_epoch", type_=Integer)
-            ),
-            d.c.refunds < bindparam("max_refunds", type_=Integer),
-            d.c.state.in_([t.DEAD, t.READY]),
-        )
+        .where(_owed_a_refund())
         .limit(bindparam("limit"))
         .with_for_update(skip_locked=True)
         .cte("batch")
@@ -463,14 +456,35 @@ def reconcile_batch() -> Executable:
 
 @cache
 def reconcile_done() -> Executable:
-    """Mark the reconciliation owed for `:close_epoch` finished."""
+    """Mark the reconciliation owed for `:close_epoch` finished, unless a row it owes a
+    refund is left: a batch skips the rows another transaction holds (a killed
+    prober's batch runs on the server until it finds its client gone and rolls
+    back), so a batch that refunded nothing does not mean nothing is owed.
+    Returns the close epoch when it marked it finished."""
+    left = select(d.c.message_id).where(_owed_a_refund()).exists()
     return (
         update(br)
         .where(
             br.c.group_id == bindparam("gid"),
             br.c.reconcile_epoch == bindparam("close_epoch", type_=Integer),
+            ~left,
         )
         .values(reconcile_epoch=None, reconcile_from_epoch=None)
+        .returning(br.c.epoch)
+    )
+
+
+def _owed_a_refund() -> ColumnElement[bool]:
+    """Rows of `:gid` the close `:close_epoch` owes a refund: charged at or after
+    `:from_epoch` and before the close, dead or ready, refunded fewer than
+    `:max_refunds` times."""
+    return and_(
+        d.c.group_id == bindparam("gid"),
+        charged_within(
+            bindparam("from_epoch", type_=Integer), bindparam("close_epoch", type_=Integer)
+        ),
+        d.c.refunds < bindparam("max_refunds", type_=Integer),
+        d.c.state.in_([t.DEAD, t.READY]),
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, false, func, literal, select
 from sqlalchemy.sql import Select
 
 
@@ -32,3 +32,8 @@ def unlock_session(key: int) -> Select[tuple[bool]]:
 def try_xact_lock(key: int) -> Select[tuple[bool]]:
     """Try a transaction-scoped advisory lock (released at commit); never waits."""
     return select(func.pg_try_advisory_xact_lock(key))
+
+
+def idle_session_timeout() -> Select[tuple[str]]:
+    """End this session once it has been idle for `:ms` milliseconds (PostgreSQL 14+)."""
+    return select(func.set_config(literal("idle_session_timeout"), bindparam("ms"), false()))

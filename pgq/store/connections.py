@@ -24,7 +24,7 @@ from typing import Any, TypeVar, cast
 
 import psycopg
 from psycopg import sql as psql
-from sqlalchemy import Connection, Engine, bindparam, false, func, literal, select
+from sqlalchemy import Connection, Engine
 from sqlalchemy.sql import ClauseElement, Executable
 from tenacity import Retrying, retry_if_exception, wait_exponential
 
@@ -32,7 +32,7 @@ from pgq.errors import BadDsn, DatabaseUnavailable
 from pgq.schema import SCHEMA_PLACEHOLDER
 from pgq.sql import breaker as breaker_sql
 from pgq.sql import members as member_sql
-from pgq.sql.locks import lock_key, try_session_lock, unlock_session
+from pgq.sql.locks import idle_session_timeout, lock_key, try_session_lock, unlock_session
 from pgq.sql.publish import notify_channel
 from pgq.store.engine import connect, conninfo_of, schema_of
 from pgq.store.errors import wrap_errors
@@ -238,7 +238,7 @@ class SessionLock:
         version = driver.info.server_version
         if version >= IDLE_SESSION_TIMEOUT_SINCE:
             ms = max(1, round(self.idle_timeout * 1000))
-            conn.execute(_idle_session_timeout(), {"ms": str(ms)})
+            conn.execute(idle_session_timeout(), {"ms": str(ms)})
         elif not self._warned:
             self._warned = True
             logger.warning(
@@ -271,11 +271,6 @@ class SessionLock:
             with contextlib.suppress(Exception):
                 conn.close()
         self.engine.dispose()
-
-
-def _idle_session_timeout() -> Executable:
-    """End this session once it has been idle for `:ms` milliseconds."""
-    return select(func.set_config(literal("idle_session_timeout"), bindparam("ms"), false()))
 
 
 def probe_lock(engine: Engine, group: str, *, idle_timeout: float | None = None) -> SessionLock:

@@ -318,8 +318,17 @@ class GroupStore:
         }
         return int(conn.execute(breaker_sql.reconcile_batch(), params).scalar() or 0)
 
-    def reconcile_done(self, conn: Connection, close_epoch: int) -> None:
-        conn.execute(breaker_sql.reconcile_done(), {"gid": self.gid, "close_epoch": close_epoch})
+    def reconcile_done(
+        self, conn: Connection, close_epoch: int, from_epoch: int, max_refunds: int
+    ) -> bool:
+        """Mark the reconciliation finished unless a row it owes is left; True if it did."""
+        params = {
+            "gid": self.gid,
+            "close_epoch": close_epoch,
+            "from_epoch": from_epoch,
+            "max_refunds": max_refunds,
+        }
+        return conn.execute(breaker_sql.reconcile_done(), params).first() is not None
 
     # -- frontier and housekeeping -------------------------------------------
 

@@ -31,7 +31,7 @@ def test_claims_skip_rows_owed_a_refund_until_the_reconciliation_is_done(orders,
     assert sorted(row.id for row in claimed) == sorted([fresh, old])
 
     assert run_once(engine, store.reconcile_batch, 3, 1, 3, 100) == 1
-    run_once(engine, store.reconcile_done, 3)
+    assert run_once(engine, store.reconcile_done, 3, 1, 3)
     [row] = run_once(engine, store.claim, 10, 3)
     assert (row.id, row.message.attempt) == (owed, 1)
 

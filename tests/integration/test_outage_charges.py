@@ -57,7 +57,7 @@ def close_and_reconcile(engine: Engine, s: GroupStore, open_epoch: int) -> int:
     assert close == open_epoch + 1
     view = run_once(engine, s.breaker)
     refunded = run_once(engine, s.reconcile_batch, close, view.reconcile_from, MAX_REFUNDS, 100)
-    run_once(engine, s.reconcile_done, close)
+    run_once(engine, s.reconcile_done, close, view.reconcile_from, MAX_REFUNDS)
     return refunded
 
 
