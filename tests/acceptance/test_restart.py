@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import consumer_env, finish, read_ids, spawn_pgq, wait_until
+from helpers import consumer_env, finish, read_ids, server_home, spawn_pgq, wait_until
 
 import pgq
 from pgq import embedded
@@ -35,17 +33,10 @@ MESSAGES = 300
 def own_server() -> Iterator[tuple[Path, str]]:
     """A fresh embedded server this test may stop and start: (home, dsn).
 
-    Its home is not under pytest's `tmp_path`: every pytest session that starts
-    (another run on this machine, say) resets `/tmp/pytest-of-<user>` to mode
-    0700, which locks the server's system user out of its data directory.
+    Its home is not under pytest's `tmp_path` (see `helpers.server_home`).
     """
-    home = Path(tempfile.mkdtemp(prefix="pgq-restart-"))
-    try:
-        dsn = embedded.ensure_running(home)
-        yield home, dsn
-    finally:
-        embedded.stop(home)
-        shutil.rmtree(home, ignore_errors=True)
+    with server_home("pgq-restart-") as home:
+        yield home, embedded.ensure_running(home)
 
 
 def test_consumer_finishes_through_a_server_restart(own_server, tmp_path):

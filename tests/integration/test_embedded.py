@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from helpers import server_home
 from sqlalchemy import create_engine, text
 
 from pgq import embedded
@@ -36,12 +37,12 @@ print(embedded.status().pid)
 
 
 @pytest.fixture
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A fresh `$PGQ_HOME`; its server, if any, is stopped afterwards."""
-    path = tmp_path / "pgq home"  # a space, as in macOS' "Application Support"
-    monkeypatch.setenv("PGQ_HOME", str(path))
-    yield path
-    embedded.stop(path)
+def home(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh `$PGQ_HOME` other users can reach (so the data stays in it, also as
+    root); its server, if any, is stopped and its data removed afterwards."""
+    with server_home("pgq-embedded-", "pgq home") as path:  # a space, as in macOS'
+        monkeypatch.setenv("PGQ_HOME", str(path))  # "Application Support"
+        yield path
 
 
 def _start_children(home: Path, n: int) -> list[tuple[int, str, str]]:
