@@ -22,6 +22,7 @@ from pgq.cli.render import (
     members_lines,
     status_all_lines,
     status_lines,
+    visible,
 )
 from pgq.errors import PgqError
 from pgq.store import first_line
@@ -91,5 +92,5 @@ def check(state: State, group: str) -> None:
         word, line = "UNKNOWN", f"UNKNOWN: {first_line(exc)}"
     except Exception as exc:  # a check answers UNKNOWN, never with a traceback
         word, line = "UNKNOWN", f"UNKNOWN: {type(exc).__name__}: {first_line(exc)}"
-    click.echo(line)
+    click.echo(visible(line))
     raise click.exceptions.Exit(monitor.CHECK_EXIT_CODES[word])

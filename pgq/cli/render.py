@@ -4,12 +4,19 @@ Each renderer takes exactly the data the command prints with `--json` (the
 `pgq.monitor` dicts, DESIGN §7) and returns lines; it neither reads the
 database nor prints. `pgq.cli.base.emit` chooses between the JSON document and
 these lines, so both always come from the same data.
+
+Text in that data came from users, handlers and other clients (member names,
+error texts, names an older version accepted): every line a renderer returns
+shows it through `visible`, so no output can move the cursor, set the
+terminal's title or forge a line, whether or not stdout is a terminal. JSON
+needs nothing: `json.dumps` escapes every control and non-ASCII character.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ParamSpec
 
 __all__ = [
     "breaker_lines",
@@ -20,7 +27,30 @@ __all__ = [
     "status_all_lines",
     "status_lines",
     "table",
+    "visible",
 ]
+
+P = ParamSpec("P")
+
+
+def visible(text: str) -> str:
+    """`text` with every character that is not printable (`str.isprintable`: control,
+    format and separator characters other than the space) escaped as Python writes
+    it: `\\n`, `\\x1b`, `\\u202e`. Printable text, member names included, is unchanged;
+    a backslash is not doubled, so escaping twice changes nothing."""
+    if text.isprintable():
+        return text
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def _visible_lines(render: Callable[P, list[str]]) -> Callable[P, list[str]]:
+    """Every line `render` returns, through `visible` (see the module docstring)."""
+
+    @functools.wraps(render)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> list[str]:
+        return [visible(line) for line in render(*args, **kwargs)]
+
+    return wrapper
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
@@ -38,17 +68,19 @@ def _cell(value: object) -> str:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    return str(value)
+    return visible(str(value))  # escaped before the widths are measured
 
 
 def one_line(text: str | None, width: int = 80) -> str | None:
-    """`text` with its whitespace collapsed, cut to `width` characters with an ellipsis."""
+    """`text` with its whitespace collapsed and the rest made `visible`, cut to
+    `width` characters with an ellipsis."""
     if text is None:
         return None
-    flat = " ".join(text.split())
+    flat = visible(" ".join(text.split()))
     return flat if len(flat) <= width else flat[: width - 1] + "…"
 
 
+@_visible_lines
 def members_lines(members: list[dict[str, Any]]) -> list[str]:
     """`pgq members`: one row per member."""
     if not members:
@@ -72,6 +104,7 @@ def _holder_line(holder: dict[str, Any] | None) -> list[str]:
     ]
 
 
+@_visible_lines
 def status_lines(s: dict[str, Any]) -> list[str]:
     """`pgq status GROUP`: frontier, lag, counts, totals, breaker and members."""
     c, tot, b = s["counts"], s["totals"], s["breaker"]
@@ -94,6 +127,7 @@ def status_lines(s: dict[str, Any]) -> list[str]:
     return lines + ["  " + line for line in _holder_line(s.get("frontier_held_by"))]
 
 
+@_visible_lines
 def status_all_lines(data: dict[str, Any]) -> list[str]:
     """`pgq status`: one row per group."""
     groups = data["groups"]
@@ -131,6 +165,7 @@ def status_all_lines(data: dict[str, Any]) -> list[str]:
     return lines + _holder_line(groups[0].get("frontier_held_by"))
 
 
+@_visible_lines
 def breaker_lines(b: dict[str, Any]) -> list[str]:
     """`pgq breaker GROUP`: state, since, epoch, prober, then the history table."""
     lines = [
@@ -150,6 +185,7 @@ def breaker_lines(b: dict[str, Any]) -> list[str]:
     return [*lines, "history:", *("  " + line for line in history)]
 
 
+@_visible_lines
 def dead_lines(rows: list[dict[str, Any]]) -> list[str]:
     """`pgq dead GROUP`: one row per dead message, its error cut to one line."""
     if not rows:
@@ -171,6 +207,7 @@ def dead_lines(rows: list[dict[str, Any]]) -> list[str]:
     )
 
 
+@_visible_lines
 def server_status_lines(d: dict[str, Any]) -> list[str]:
     """`pgq server status`: running (pid, dsn, data directory) or not."""
     if not d["running"]:
