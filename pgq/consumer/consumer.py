@@ -27,6 +27,7 @@ from pgq.names import check_member_name, check_name
 from pgq.records import GroupInfo, Message, RunSummary, StopReason
 from pgq.settings import Settings, load_settings
 from pgq.store import GroupStore, group_info, member_engine, member_lock, run_once
+from pgq.store.privileges import require_consumer_privileges
 
 logger = logging.getLogger("pgq.consumer")
 
@@ -130,6 +131,11 @@ class Consumer:
         thread (or a signal handler) ends the run too. An exception raised in
         this thread while it waits (KeyboardInterrupt, an orchestrator's
         cancellation) shuts the member down as `stop()` would, then propagates.
+
+        Raises `PermissionDenied` naming what is missing when the role lacks a
+        privilege a member needs: at once, before joining, or once the member
+        is down when a privilege is revoked while it runs (likewise
+        `SchemaMissing` and `BadDsn`: nothing a retry could fix).
         """
         self._ran_by_run = True
         self.start(until_empty=until_empty, max_messages=max_messages, wait_retries=wait_retries)
@@ -144,7 +150,9 @@ class Consumer:
         except BaseException:
             self._shutdown()
             raise
-        return self._shutdown()
+        summary = self._shutdown()
+        self._raise_refusal()
+        return summary
 
     def start(
         self,
@@ -232,7 +240,9 @@ class Consumer:
         runtime.member.request_stop(reason)
         if self._ran_by_run:
             return runtime.summary(0)
-        return self._shutdown()
+        summary = self._shutdown()
+        self._raise_refusal()
+        return summary
 
     def request_stop(self, reason: StopReason = "signal") -> None:
         """Ask the consumer to stop (safe from a signal handler); before it has
@@ -279,6 +289,13 @@ class Consumer:
             raise UsageError("consumer is not running")
         return self._runtime
 
+    def _raise_refusal(self) -> None:
+        """Raise the error that stopped the member when the database refused its
+        work for good (a privilege revoked while it ran, ...)."""
+        refused = self._runtime.refused if self._runtime is not None else None
+        if refused is not None:
+            raise refused
+
     def _shutdown(self) -> RunSummary:
         if self._summary is None:
             runtime = self._require()
@@ -290,12 +307,15 @@ class Consumer:
         return self._summary
 
     def _group_info(self, until_empty: bool) -> GroupInfo | None:
-        """The group, waiting out an unreachable database (bounded by `lease` with
-        `until_empty`: a cron run gives up and exits 75); None if asked to stop."""
+        """The group, once the role is known to have every privilege a member needs
+        (else `PermissionDenied` naming them), waiting out an unreachable database
+        (bounded by `lease` with `until_empty`: a cron run gives up and exits 75);
+        None if asked to stop."""
         give_up = time.monotonic() + self.settings.lease if until_empty else None
         delay = 0.2
         while self._early_stop is None:
             try:
+                run_once(self.engine, require_consumer_privileges)
                 return group_info(self.engine, self.group)
             except DatabaseUnavailable as exc:
                 if isinstance(exc, BadDsn) or (

@@ -3,7 +3,10 @@
 Lease extension, the expired-lease sweep, the frontier advance, statistics,
 pruning, retention and the handler-timeout watchdog run as small task objects
 on a scheduler (psycopg_pool's maintenance style): a task that fails logs and
-the loop goes on. The heartbeat has its own thread (`heartbeat.py`).
+the loop goes on. A task the database refuses for good (a missing privilege, the
+schema gone, the login refused) stops the member instead: it could never do its
+job, and `Consumer.run()` raises that error (`refused`) once the member is down.
+The heartbeat has its own thread (`heartbeat.py`).
 """
 
 from __future__ import annotations
@@ -15,14 +18,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pgq.consumer.member import Member, Role
-from pgq.errors import DatabaseUnavailable
+from pgq.errors import BadDsn, DatabaseUnavailable, PermissionDenied, PgqError, SchemaMissing
 from pgq.store import RoleConnection
 from pgq.store.group import EXPIRE_BATCH
+from pgq.store.privileges import require_consumer_privileges
 
 logger = logging.getLogger("pgq.consumer")
 
 EXPIRE_BUDGET = 2.0
 """Seconds one retention pass may spend deleting (it runs every minute)."""
+
+REFUSALS = (PermissionDenied, SchemaMissing, BadDsn)
+"""Errors no retry can fix: the member stops."""
 
 
 @dataclass(slots=True)
@@ -46,6 +53,8 @@ class Maintenance(Role):
         self._wake = threading.Event()
         self.conn = RoleConnection(member.engine, "maintenance", self.finish)
         self.tasks: list[Task] = []
+        self.refused: PgqError | None = None
+        """The first refusal that stopped the member (see `REFUSALS`)."""
 
     def add(self, name: str, interval: float, run: Callable[[], object]) -> None:
         """Schedule `run` every `interval` seconds (first run at once)."""
@@ -77,6 +86,9 @@ class Maintenance(Role):
     def _run_task(self, task: Task) -> None:
         try:
             task.run()
+        except REFUSALS as exc:
+            self._refuse(task, exc)
+            return
         except DatabaseUnavailable as exc:
             if not task.failing:
                 logger.warning("maintenance task failed task=%s error=%s", task.name, exc)
@@ -89,6 +101,24 @@ class Maintenance(Role):
         if task.failing:
             logger.info("maintenance task recovered task=%s", task.name)
         task.failing = False
+
+    def _refuse(self, task: Task, exc: PgqError) -> None:
+        """`task` can never succeed: stop the member (the other tasks go on until
+        it is down: leases of running handlers are still extended)."""
+        if task.failing:
+            return
+        task.failing = True
+        if isinstance(exc, PermissionDenied):
+            try:  # PostgreSQL names the table only: name the privileges too
+                self.conn.run(require_consumer_privileges)
+            except PermissionDenied as named:
+                exc = named
+            except PgqError:
+                pass
+        logger.error("maintenance task refused task=%s error=%s; stopping", task.name, exc)
+        if self.refused is None:
+            self.refused = exc
+        self.member.request_stop("signal")
 
     # -- the standard tasks ---------------------------------------------------
 

@@ -23,7 +23,7 @@ from pgq.consumer.acker import Acker
 from pgq.consumer.fetcher import Fetcher
 from pgq.consumer.gate import Gate
 from pgq.consumer.heartbeat import Heartbeat
-from pgq.consumer.maintenance import Maintenance
+from pgq.consumer.maintenance import REFUSALS, Maintenance
 from pgq.consumer.member import Member
 from pgq.consumer.workers import Workers
 from pgq.errors import DatabaseUnavailable, PgqError
@@ -65,6 +65,13 @@ class Runtime:
         gate.on_change(self.heartbeat.poke)
         self.clean = True
         """False after a shutdown that left handlers running or outcomes unwritten."""
+        self._final_refusal: PgqError | None = None
+
+    @property
+    def refused(self) -> PgqError | None:
+        """Why the member stopped when the database refused its work for good (a
+        missing privilege, ...): `Consumer.run()` raises it."""
+        return self.maintenance.refused or self._final_refusal
 
     def start(self) -> None:
         self.acker.start()
@@ -139,6 +146,10 @@ class Runtime:
             run_once(m.engine, store.advance_frontier)
             run_once(m.engine, store.leave)
             return run_once(m.engine, store.drain_state, ttl).waiting_retry
+        except REFUSALS as exc:  # before DatabaseUnavailable: BadDsn is one
+            logger.error("final maintenance pass refused error=%s", exc)
+            self._final_refusal = exc
+            return 0
         except DatabaseUnavailable as exc:
             logger.warning("final maintenance pass failed error=%s", exc)
             return 0

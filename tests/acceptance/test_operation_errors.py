@@ -1,12 +1,14 @@
 """Operating `pgq consume` (issue 11): metrics served while it runs, and the
 failures that are configuration, not outages — a refused login, a missing
-database, a missing privilege — end at once with exit 2 and one line.
+database, a missing privilege — end at once with exit 2 and one line. Roles
+made here (`roles.consumer_role`) are unique per test and dropped after it.
 
 Every test runs the real `pgq` command as a subprocess.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import socket
@@ -21,6 +23,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from helpers import consumer_env, finish, spawn_pgq, wait_until
+from roles import EVERYTHING, consumer_role
 
 import pgq
 
@@ -282,3 +285,44 @@ def test_a_wrong_or_missing_password_is_exit_2_at_once(
     env["PGPASSFILE"] = str(tmp_path / "no-pgpass")
     line = refused_at_once(env, dsn, *flags)
     assert words in line
+
+
+# -- defect 6: a missing privilege stops the member with one line ----------------------
+
+
+@BOTH_MODES
+@pytest.mark.parametrize(
+    "without",
+    [(("breaker", "UPDATE"),), (("message", "SELECT"),), EVERYTHING],
+    ids=["breaker-update", "message-select", "nothing"],
+)
+def test_a_missing_privilege_is_exit_2_at_once(
+    orders, pgq_env, tmp_path, pg_dsn, schema, flags, without
+):
+    pgq.publish(orders, "orders", {"n": 1})
+    with consumer_role(pg_dsn, schema, without) as (role, dsn):
+        line = refused_at_once(consumer_env(pgq_env, tmp_path), dsn, *flags)
+    assert f"role {role!r} lacks privileges a consumer needs: " in line
+    for name, privilege in without[:3]:
+        where = f"schema {schema}" if name == "schema" else f"{schema}.{name}"
+        assert re.search(rf"\b{privilege}\b[A-Z, ]* on {re.escape(where)}\b", line), line
+    assert pgq.status(orders, "billing")["counts"]["ready"] == 1  # nothing claimed
+
+
+def test_a_privilege_revoked_while_it_runs_is_exit_2(orders, pgq_env, tmp_path, pg_dsn, schema):
+    with consumer_role(pg_dsn, schema) as (role, dsn):
+        env = {**consumer_env(pgq_env, tmp_path, **FAST_ENV), "PGQ_DSN": dsn}
+        proc = spawn_pgq(env, "consume", "billing", "--handler", "handlers:record")
+        try:
+            wait_until(lambda: pgq.status(orders, "billing")["members"], 15, "the member to join")
+            with orders.begin() as conn:  # the frontier task updates it every second
+                conn.exec_driver_sql(f'REVOKE UPDATE ON "{schema}".consumer_group FROM "{role}"')
+            code, _, err = finish(proc, 20)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate(timeout=10)
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    last = err.splitlines()[-1]
+    assert last.startswith("pgq: error: ") and f"UPDATE on {schema}.consumer_group" in last, err

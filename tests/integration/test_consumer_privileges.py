@@ -1,0 +1,169 @@
+"""A consumer under a restricted role (issue 11, defect 6).
+
+A role with exactly the privileges a consumer needs (`pgq.sql.privileges`) runs
+a whole outage: claims, failures, the quorum opening the group, probes, the
+close and its reconciliation, pruning and retention — nothing is refused. A
+role missing any one of them is refused at `run()` with `PermissionDenied`
+naming what it lacks, before the member joins; one whose privilege is revoked
+while it runs stops, and `run()` raises `PermissionDenied` once it is down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import pytest
+from helpers import FAST, wait_until
+from roles import EVERYTHING, consumer_role
+from sqlalchemy import Engine
+
+import pgq
+from pgq.errors import PermissionDenied
+
+
+class Role(NamedTuple):
+    name: str
+    engine: Engine
+
+
+OUTAGE = {
+    **FAST,
+    "workers": 2,
+    "breaker_min_members": 1,
+    "breaker_window": 4,
+    "breaker_min_calls": 4,
+    "breaker_open_for": 0.2,
+    "breaker_open_for_max": 0.4,
+    "breaker_probe_interval": 0.3,
+    "breaker_probe_interval_max": 0.6,
+}
+
+
+@pytest.fixture
+def as_role(pg_dsn: str, schema: str, orders: Engine) -> Iterator[Callable[..., Role]]:
+    """`as_role(*without)`: a consumer role missing `without`, and a pgq engine on
+    this test's schema that logs in as it (both gone at the end)."""
+    with contextlib.ExitStack() as stack:
+
+        def make(*without: tuple[str, str]) -> Role:
+            name, dsn = stack.enter_context(consumer_role(pg_dsn, schema, without))
+            eng = pgq.connect(dsn, schema=schema)
+            stack.callback(eng.dispose)
+            return Role(name, eng)
+
+        yield make
+
+
+def lacking(message: str) -> set[tuple[str, str]]:
+    """The (object, privilege) pairs a refusal names: "... needs: SELECT, UPDATE on
+    s.message; USAGE on schema s (pgq grant ...)" gives ("message", "SELECT"), ..."""
+    listed = message.split(" needs: ", 1)[1].split(" (pgq grant ", 1)[0]
+    found = set()
+    for part in listed.split("; "):
+        privileges, _, where = part.partition(" on ")
+        name = "schema" if where.startswith("schema ") else where.rpartition(".")[2]
+        found |= {(name, p) for p in privileges.split(", ")}
+    return found
+
+
+def refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
+    """Log lines of a member's work that the database refused or that crashed a thread."""
+    words = ("task refused", "pass refused", "crashed", "permission denied", "task failed", "lacks")
+    return [r.getMessage() for r in caplog.records if any(w in r.getMessage() for w in words)]
+
+
+def test_exactly_the_consumer_privileges_run_a_whole_outage(orders, as_role, caplog):
+    caplog.set_level(logging.INFO, logger="pgq")
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(12)])
+    down = threading.Event()
+    down.set()
+
+    def handler(msg: pgq.Message) -> None:
+        if down.is_set():
+            raise pgq.SystemicError("dependency down")
+
+    eng = as_role().engine
+    consumer = pgq.Consumer(eng, "billing", handler, **OUTAGE)
+    consumer.start()
+    try:
+        wait_until(
+            lambda: pgq.status(orders, "billing")["breaker"]["state"] == "OPEN",
+            20,
+            "the quorum to open the group",
+        )
+        down.clear()
+        wait_until(
+            lambda: (
+                (s := pgq.status(orders, "billing"))["breaker"]["state"] == "CLOSED"
+                and s["lag"] == 0
+            ),
+            30,
+            "the prober to close the group and the backlog to drain",
+        )
+    finally:
+        summary = consumer.stop(timeout=10)
+    status = pgq.status(orders, "billing")
+    assert status["counts"]["done"] == len(ids) and status["counts"]["dead"] == 0
+    assert status["breaker"]["epoch"] >= 2  # opened and closed
+    assert summary.done >= 1
+    assert not refusals(caplog), refusals(caplog)
+    # a cron run as the same role: retention and pruning run at its start
+    drained = pgq.Consumer(eng, "billing", handler, **OUTAGE).run(until_empty=True)
+    assert drained.stop_reason == "empty"
+    assert not refusals(caplog), refusals(caplog)
+
+
+@pytest.mark.parametrize(
+    "without",
+    [
+        (("breaker", "UPDATE"),),
+        (("message", "SELECT"),),
+        (("message", "DELETE"),),
+        (("lease_token", "USAGE"),),
+        EVERYTHING,
+    ],
+    ids=["breaker-update", "message-select", "message-delete", "sequence", "nothing"],
+)
+def test_a_missing_privilege_is_refused_before_joining(orders, as_role, schema, without):
+    pgq.publish(orders, "orders", {"n": 1})
+    eng = as_role(*without).engine
+    consumer = pgq.Consumer(eng, "billing", lambda m: None, **FAST)
+    with pytest.raises(PermissionDenied) as info:
+        consumer.run(until_empty=True)
+    message = str(info.value)
+    assert "\n" not in message
+    assert lacking(message) == set(without), message
+    assert pgq.status(orders, "billing")["members"] == []  # it never joined
+    assert pgq.status(orders, "billing")["counts"]["ready"] == 1
+
+
+def test_a_privilege_revoked_while_it_runs_stops_the_member(orders, as_role, schema):
+    role, eng = as_role()
+    consumer = pgq.Consumer(eng, "billing", lambda m: None, **FAST)
+    outcome: list[BaseException | pgq.RunSummary] = []
+
+    def run() -> None:
+        try:
+            outcome.append(consumer.run())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="test-consumer", daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: pgq.status(orders, "billing")["members"], 10, "the member to join")
+        with orders.begin() as conn:  # the frontier task updates it every second
+            conn.exec_driver_sql(f'REVOKE UPDATE ON "{schema}".consumer_group FROM "{role}"')
+        thread.join(15)
+        assert not thread.is_alive(), "the member did not stop"
+    finally:
+        consumer.request_stop()
+        thread.join(15)
+    [result] = outcome
+    assert isinstance(result, PermissionDenied), result
+    assert f"UPDATE on {schema}.consumer_group" in str(result)
+    assert not pgq.status(orders, "billing")["members"][0]["live"]
