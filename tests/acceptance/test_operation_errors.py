@@ -100,15 +100,22 @@ def test_consume_serves_the_metric_families_while_it_runs(orders, pgq_env, tmp_p
     )
     procs.append(proc)
 
+    last: list[dict[str, float] | None] = [None]
+
     def drained() -> dict[str, float] | None:
-        found = scrape(port)
+        found = last[0] = scrape(port)
         if proc.poll() is not None:
             raise AssertionError(f"pgq consume exited {proc.returncode}: {proc.stderr.read()}")
         # the member counts a row when it finishes, the group once its outcome is written
         done = found and found.get("pgq_done_total") == 5 and found.get("pgq_group_lag") == 0
         return found if done else None
 
-    found = wait_until(drained, 30, "the metrics endpoint to report 5 done and no lag")
+    found = wait_until(
+        drained,
+        30,
+        "the metrics endpoint to report 5 done and no lag",
+        describe=lambda: {k: v for k, v in (last[0] or {}).items() if k.startswith("pgq_")},
+    )
     assert METRIC_FAMILIES <= set(found), METRIC_FAMILIES - set(found)
     assert found["pgq_group_check_status"] == 0
     assert found["pgq_local_breaker_open"] == 0 and found["pgq_group_breaker_open"] == 0
