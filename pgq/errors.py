@@ -52,8 +52,9 @@ class DatabaseUnavailable(PgqError):
     """Cannot reach the database."""
 
 
-class BadDsn(UsageError, DatabaseUnavailable):
-    """The database address is invalid or the server refuses it."""
+class BadDsn(UsageError):
+    """The database address is invalid or the server refuses it (a wrong password,
+    no such role or database): configuration, never retried as an outage."""
 
 
 class SchemaMissing(UsageError):

@@ -28,7 +28,7 @@ import click
 
 from pgq.cli.base import State, pass_state
 from pgq.consumer import Consumer
-from pgq.errors import BadDsn, DatabaseUnavailable, HandlerImportError
+from pgq.errors import DatabaseUnavailable, HandlerImportError
 from pgq.settings import load_settings, parse_duration
 
 __all__ = ["EX_TEMPFAIL", "consume", "install_signal_handlers", "load_handler"]
@@ -155,8 +155,7 @@ def consume(
                 wait_retries=retries,
             )
         except DatabaseUnavailable as exc:
-            # a refused login or a missing database is configuration (BadDsn): exit 2
-            if until_empty and not isinstance(exc, BadDsn):
+            if until_empty:
                 click.echo(f"pgq: database unavailable, try later: {exc}", err=True)
                 sys.exit(EX_TEMPFAIL)
             raise

@@ -22,7 +22,7 @@ from pgq.consumer.handling import Handling
 from pgq.consumer.member import Member
 from pgq.consumer.pool import ClaimPool
 from pgq.consumer.runtime import Runtime
-from pgq.errors import BadDsn, DatabaseUnavailable, DuplicateMember, UsageError
+from pgq.errors import DatabaseUnavailable, DuplicateMember, UsageError
 from pgq.names import check_member_name, check_name
 from pgq.records import GroupInfo, Message, RunSummary, StopReason
 from pgq.settings import Settings, load_settings
@@ -318,9 +318,7 @@ class Consumer:
                 run_once(self.engine, require_consumer_privileges)
                 return group_info(self.engine, self.group)
             except DatabaseUnavailable as exc:
-                if isinstance(exc, BadDsn) or (
-                    give_up is not None and time.monotonic() + delay > give_up
-                ):
+                if give_up is not None and time.monotonic() + delay > give_up:
                     raise
                 logger.warning("database unavailable at start, retrying error=%s", exc)
                 pause = time.monotonic() + delay

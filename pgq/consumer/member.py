@@ -11,11 +11,16 @@ from sqlalchemy import Engine
 
 from pgq.consumer.handling import Handling
 from pgq.consumer.pool import ClaimPool
+from pgq.errors import BadDsn, PermissionDenied, PgqError, SchemaMissing
 from pgq.records import Claimed, Lease, Outcome, StopReason
 from pgq.settings import Settings
 from pgq.store import GroupStore
 
 logger = logging.getLogger("pgq.consumer")
+
+REFUSALS = (PermissionDenied, SchemaMissing, BadDsn)
+"""Errors no retry fixes: a missing privilege, the schema gone, the login refused.
+A thread that meets one stops the member, and `run()` raises it."""
 
 
 @dataclass
@@ -63,6 +68,8 @@ class Member:
     dispatch, and rows a release could not hand back (the database was away)."""
     crashed: list[str] = field(default_factory=list)
     """Threads that died of an unexpected error (the member then stops, unclean)."""
+    refused: PgqError | None = None
+    """The first refusal that stopped the member (see `REFUSALS`): `run()` raises it."""
     outcomes_pending: int = 0
     """Outcomes handed to the acker and not yet written."""
 
@@ -78,6 +85,17 @@ class Member:
         self.stopping.set()
         self.stop_claiming.set()
         self.pool.wake()
+
+    def refuse(self, thread: str, exc: PgqError) -> None:
+        """The database refused this member's work for good (see `REFUSALS`): stop
+        the member, keep the first refusal for `run()` to raise, log one line."""
+        with self.lock:
+            if self.refused is None:
+                self.refused = exc
+        self.request_stop("signal")
+        logger.error(
+            "database refused thread=%s member=%s error=%s; stopping", thread, self.name, exc
+        )
 
     def crash(self, thread: str) -> None:
         """A thread died of an unexpected error: stop the whole member, then log it
@@ -196,6 +214,8 @@ class Role(threading.Thread, abc.ABC):
     def run(self) -> None:
         try:
             self.work()
+        except REFUSALS as exc:
+            self.member.refuse(self.name, exc)
         except Exception:
             self.member.crash(self.name)
 

@@ -23,8 +23,8 @@ from pgq.consumer.acker import Acker
 from pgq.consumer.fetcher import Fetcher
 from pgq.consumer.gate import Gate
 from pgq.consumer.heartbeat import Heartbeat
-from pgq.consumer.maintenance import REFUSALS, Maintenance
-from pgq.consumer.member import Member
+from pgq.consumer.maintenance import Maintenance
+from pgq.consumer.member import REFUSALS, Member
 from pgq.consumer.workers import Workers
 from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.records import RunSummary
@@ -71,7 +71,7 @@ class Runtime:
     def refused(self) -> PgqError | None:
         """Why the member stopped when the database refused its work for good (a
         missing privilege, ...): `Consumer.run()` raises it."""
-        return self.maintenance.refused or self._final_refusal
+        return self.member.refused or self.maintenance.refused or self._final_refusal
 
     def start(self) -> None:
         self.acker.start()
@@ -146,7 +146,7 @@ class Runtime:
             run_once(m.engine, store.advance_frontier)
             run_once(m.engine, store.leave)
             return run_once(m.engine, store.drain_state, ttl).waiting_retry
-        except REFUSALS as exc:  # before DatabaseUnavailable: BadDsn is one
+        except REFUSALS as exc:
             logger.error("final maintenance pass refused error=%s", exc)
             self._final_refusal = exc
             return 0

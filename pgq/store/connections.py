@@ -28,7 +28,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.sql import ClauseElement, Executable
 from tenacity import Retrying, retry_if_exception, wait_exponential
 
-from pgq.errors import BadDsn, DatabaseUnavailable
+from pgq.errors import DatabaseUnavailable
 from pgq.schema import SCHEMA_PLACEHOLDER
 from pgq.sql import breaker as breaker_sql
 from pgq.sql import members as member_sql
@@ -84,8 +84,8 @@ class RoleConnection:
         """
         try:
             return self.run(fn, *args)  # the common case, without tenacity's overhead
-        except DatabaseUnavailable as exc:
-            if self.stop.is_set() or isinstance(exc, BadDsn):
+        except DatabaseUnavailable:
+            if self.stop.is_set():
                 raise
         gate = self.stop
 
@@ -93,11 +93,7 @@ class RoleConnection:
             gate.wait(seconds)  # a stop ends the wait at once
 
         retryer = Retrying(
-            # an address the server refuses (no such database, bad login) is not
-            # an outage: retrying would not help
-            retry=retry_if_exception(
-                lambda e: isinstance(e, DatabaseUnavailable) and not isinstance(e, BadDsn)
-            ),
+            retry=retry_if_exception(lambda e: isinstance(e, DatabaseUnavailable)),
             wait=wait_exponential(multiplier=0.1, max=5.0),
             stop=lambda state: gate.is_set(),
             sleep=nap,

@@ -167,3 +167,35 @@ def test_a_privilege_revoked_while_it_runs_stops_the_member(orders, as_role, sch
     assert isinstance(result, PermissionDenied), result
     assert f"UPDATE on {schema}.consumer_group" in str(result)
     assert not pgq.status(orders, "billing")["members"][0]["live"]
+
+
+def test_a_privilege_the_fetcher_meets_first_stops_the_member_without_a_crash(
+    orders, as_role, schema, caplog
+):
+    """Failed on ac05858: a refusal in the fetcher (not a maintenance task) crashed
+    the thread (a traceback, run() returned as if signalled)."""
+    role, eng = as_role()
+    consumer = pgq.Consumer(eng, "billing", lambda m: None, **FAST)
+    outcome: list[BaseException | pgq.RunSummary] = []
+
+    def run() -> None:
+        try:
+            outcome.append(consumer.run())
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="test-consumer", daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: pgq.status(orders, "billing")["members"], 10, "the member to join")
+        with orders.begin() as conn:  # no claim can lock or lease a row now
+            conn.exec_driver_sql(f'REVOKE UPDATE ON "{schema}".delivery FROM "{role}"')
+        pgq.publish(orders, "orders", {"n": 1})  # wakes the fetcher at once
+        thread.join(15)
+        assert not thread.is_alive(), "the member did not stop"
+    finally:
+        consumer.request_stop()
+        thread.join(15)
+    [result] = outcome
+    assert isinstance(result, PermissionDenied), result
+    assert "thread crashed" not in caplog.text
