@@ -13,23 +13,42 @@ import click
 from pgq.cli.base import State, pass_state
 from pgq.errors import UsageError
 from pgq.store import requeue
+from pgq.store.admin import MAX_MESSAGE_ID
 
-__all__ = ["parse_ids", "requeue_command"]
+__all__ = [
+    "parse_ids",
+    "parse_message_id",
+    "requeue_command",
+]
+
+
+def parse_message_id(text: str) -> int:
+    """The message id in `text`: ASCII digits, 1 to 2**63 - 1; else `UsageError`."""
+    digits = text.strip()
+    numeric = digits.isascii() and digits.isdigit() and len(digits) <= 19
+    if not numeric or not 1 <= int(digits) <= MAX_MESSAGE_ID:
+        raise UsageError(
+            f"invalid message id {digits[:40]!r}: use a positive integer up to {MAX_MESSAGE_ID}"
+        )
+    return int(digits)
 
 
 def parse_ids(values: Iterable[str]) -> list[int]:
     """Message ids from `--id` values (each one id or a comma-separated list), deduplicated.
 
-    Raises `UsageError` naming the first value that is not a positive integer.
+    Raises `UsageError` naming the first value that is not a valid message id.
     """
     ids: dict[int, None] = {}
     for value in values:
         for part in value.split(","):
-            text = part.strip()
-            if not text.isdigit() or int(text) < 1:
-                raise UsageError(f"invalid message id {part.strip()!r}: use positive integers")
-            ids[int(text)] = None
+            ids[parse_message_id(part)] = None
     return list(ids)
+
+
+def _reason_given(reason: str | None) -> str:
+    if not (reason or "").strip():
+        raise UsageError("--reason is required and must not be empty")
+    return reason or ""
 
 
 @click.command("requeue")
@@ -45,9 +64,14 @@ def parse_ids(values: Iterable[str]) -> list[int]:
 @click.option("--reason", help="why (required; stored in the audit row)")
 @pass_state
 def requeue_command(
-    state: State, group: str, ids: tuple[str, ...], all_dead: bool, reason: str | None
+    state: State,
+    group: str,
+    ids: tuple[str, ...],
+    all_dead: bool,
+    reason: str | None,
 ) -> None:
-    """Requeue dead rows of GROUP (audited): `--id ID ...` or `--all`, with `--reason`.
+    """Requeue dead rows of GROUP (audited): `--id ID ...` or `--all`,
+    with `--reason`.
 
     Every id must be a dead row of the group, else nothing is requeued (exit 2).
     Prints `requeued N`.
@@ -56,9 +80,12 @@ def requeue_command(
         raise UsageError("--id and --all are mutually exclusive")
     if not ids and not all_dead:
         raise UsageError("give the rows to requeue: --id ID ... or --all")
-    if not (reason or "").strip():
-        raise UsageError("--reason is required and must not be empty")
+    why = _reason_given(reason)
     result = requeue(
-        state.engine, group, parse_ids(ids) if ids else None, all_dead=all_dead, reason=reason or ""
+        state.engine,
+        group,
+        parse_ids(ids) if ids else None,
+        all_dead=all_dead,
+        reason=why,
     )
     click.echo(f"requeued {result.count}")

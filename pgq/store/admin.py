@@ -1,4 +1,8 @@
-"""Audited administration of dead rows: `requeue` (behind `pgq requeue`)."""
+"""Audited administration of dead rows, and the demo's housekeeping.
+
+`requeue` (behind `pgq requeue`) turns dead rows back to ready and writes its
+audit row in the same statement.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,9 @@ from pgq.store.topics import group_info
 
 MAX_LISTED_IDS = 10_000
 """Most message ids one audit row lists; `count` always has the full number."""
+
+MAX_MESSAGE_ID = 2**63 - 1
+"""The largest message id (`bigint`)."""
 
 _SHOWN_INVALID = 20
 
@@ -46,6 +53,36 @@ def _id_list(ids: Sequence[int]) -> str:
     return f"{shown} and {more} more" if more > 0 else shown
 
 
+def _reason(reason: str | None, action: str) -> str:
+    """`reason` with its whitespace collapsed; `UsageError` when it is empty or holds
+    what the database cannot store (a NUL byte, a lone surrogate)."""
+    why = " ".join((reason or "").split())
+    if not why:
+        raise UsageError(f"a {action} needs a non-empty reason")
+    if "\x00" in why or _unencodable(why):
+        raise UsageError(f"the {action} reason must be text without NUL bytes or lone surrogates")
+    return why
+
+
+def _unencodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def check_message_id(message_id: object) -> int:
+    """`message_id` if it is an int in `1..MAX_MESSAGE_ID`, else raise `UsageError`."""
+    if isinstance(message_id, bool) or not isinstance(message_id, int):
+        raise UsageError(f"invalid message id {message_id!r}: use a positive integer")
+    if not 1 <= message_id <= MAX_MESSAGE_ID:
+        raise UsageError(
+            f"invalid message id {message_id}: use a positive integer up to {MAX_MESSAGE_ID}"
+        )
+    return message_id
+
+
 def requeue(
     engine: Engine,
     group: str,
@@ -62,18 +99,17 @@ def requeue(
     to 0, error class cleared; `last_error` and `refunds` stay. One `audit` row
     records the group, action `requeue`, the ids (at most `max_listed`, the
     smallest), the full count, `reason` and `actor` (default `user@host`). All
-    in one transaction. Raises `UsageError` for bad arguments, and when any of
-    `ids` is not a dead row of the group (`not dead: 12, 13`): then nothing is
-    written. With `all_dead` the rows never pass through Python, so any number
-    of them works in bounded memory.
+    in one transaction. Raises `UsageError` for bad arguments (an id outside
+    `1..MAX_MESSAGE_ID`, a reason that is empty or holds a NUL byte or a lone
+    surrogate), and when any of `ids` is not a dead row of the group (`not
+    dead: 12, 13`): then nothing is written. With `all_dead` the rows never pass
+    through Python, so any number of them works in bounded memory.
     """
     if (ids is None or len(ids) == 0) == (not all_dead):
         raise UsageError("requeue takes either ids or all_dead=True (not both)")
-    why = " ".join((reason or "").split())
-    if not why:
-        raise UsageError("a requeue needs a non-empty reason")
+    wanted = [check_message_id(i) for i in dict.fromkeys(ids or ())]
     params: dict[str, Any] = {
-        "reason": why,
+        "reason": _reason(reason, "requeue"),
         "actor": actor or default_actor(),
         "max_listed": max_listed,
     }
@@ -83,7 +119,6 @@ def requeue(
         if all_dead:
             statement = q.requeue_all()
         else:
-            wanted = list(dict.fromkeys(ids or ()))
             found = set(conn.execute(q.lock_dead_ids(), {"gid": info.id, "ids": wanted}).scalars())
             missing = [i for i in wanted if i not in found]
             if missing:
