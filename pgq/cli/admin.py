@@ -1,4 +1,4 @@
-"""Repairing a group: `pgq requeue GROUP (--id ID ... | --all) --reason TEXT`.
+"""Repairing a group: `pgq requeue GROUP (--id ID ... | --all [--class C]) --reason TEXT`.
 
 `pgq requeue` turns dead rows back to ready and writes one `audit` row, in one
 transaction. `pgq.store.requeue()` is the plain function behind it, for scripts.
@@ -12,6 +12,7 @@ import click
 
 from pgq.cli.base import State, pass_state
 from pgq.errors import UsageError
+from pgq.schema import ERROR_CLASSES
 from pgq.store import requeue
 from pgq.store.admin import MAX_MESSAGE_ID
 
@@ -61,6 +62,12 @@ def _reason_given(reason: str | None) -> str:
     help="a dead message id to requeue (repeat, or comma-separated)",
 )
 @click.option("--all", "all_dead", is_flag=True, help="requeue every dead row of the group")
+@click.option(
+    "--class",
+    "error_class",
+    type=click.Choice(ERROR_CLASSES),
+    help="with --all: only the dead rows of this error class",
+)
 @click.option("--reason", help="why (required; stored in the audit row)")
 @pass_state
 def requeue_command(
@@ -68,9 +75,10 @@ def requeue_command(
     group: str,
     ids: tuple[str, ...],
     all_dead: bool,
+    error_class: str | None,
     reason: str | None,
 ) -> None:
-    """Requeue dead rows of GROUP (audited): `--id ID ...` or `--all`,
+    """Requeue dead rows of GROUP (audited): `--id ID ...` or `--all [--class C]`,
     with `--reason`.
 
     Every id must be a dead row of the group, else nothing is requeued (exit 2).
@@ -80,12 +88,15 @@ def requeue_command(
         raise UsageError("--id and --all are mutually exclusive")
     if not ids and not all_dead:
         raise UsageError("give the rows to requeue: --id ID ... or --all")
+    if error_class and not all_dead:
+        raise UsageError("--class goes with --all (it selects among all dead rows)")
     why = _reason_given(reason)
     result = requeue(
         state.engine,
         group,
         parse_ids(ids) if ids else None,
         all_dead=all_dead,
+        error_class=error_class,
         reason=why,
     )
     click.echo(f"requeued {result.count}")

@@ -1,12 +1,16 @@
-"""Statements behind the admin commands: `pgq check` reads, `pgq requeue` writes.
+"""Statements behind the admin commands: `pgq check` reads,
+`pgq requeue` writes.
 
 `pgq check` reads the group's breaker row and its dead rows split by what they
 mean for alerting (see `pgq.monitor.check`); `pgq requeue` turns dead rows back
-to ready and writes its audit row in the same statement. Dead rows always carry
-an error class (every path to `dead` sets one), so the dead-row statements also
-say `error_class IS NOT NULL`: that lets them use the partial index on failed
-rows instead of reading every row of the group. The group is `:gid` everywhere
-(a parameter named like a column, `group_id`, would also be SET by the UPDATE).
+to ready and writes its audit row in the same statement (one statement: the
+change and its audit row cannot come apart).
+
+Dead rows always carry an error class (every path to `dead` sets one), so the
+dead-row statements also say `error_class IS NOT NULL`: that lets them use the
+partial index on failed rows instead of reading every row of the group. The
+group is `:gid` everywhere (a parameter named like a column, `group_id`, would
+also be SET by the UPDATE).
 """
 
 from __future__ import annotations
@@ -118,19 +122,11 @@ def check_dead() -> Executable:
 @cache
 def lock_dead_ids() -> Select[Any]:
     """Which of `:ids` are dead rows of `:gid`, locked until the transaction ends."""
-    return (
-        select(d.c.message_id)
-        .where(
-            d.c.group_id == bindparam("gid", type_=Integer),
-            d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
-            d.c.state == t.DEAD,
-            d.c.error_class.is_not(None),
-        )
-        .with_for_update()
-    )
+    return select(d.c.message_id).where(*_dead_rows(only_ids=True)).with_for_update()
 
 
-def _requeue(only_ids: bool) -> Executable:
+def _dead_rows(only_ids: bool = False, of_class: bool = False) -> list[ColumnElement[bool]]:
+    """Dead rows of `:gid` (only `:ids`; only those of error class `:cls`)."""
     where = [
         d.c.group_id == bindparam("gid", type_=Integer),
         d.c.state == t.DEAD,
@@ -138,9 +134,49 @@ def _requeue(only_ids: bool) -> Executable:
     ]
     if only_ids:
         where.append(d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
+    if of_class:
+        where.append(d.c.error_class == bindparam("cls", type_=Text))
+    return where
+
+
+def _audited(action: str, changed: Any, *also: ColumnElement[Any]) -> Executable:
+    """Insert the audit row of `action` for the rows CTE `changed` returned (their
+    message ids): the count and at most `:max_listed` ids, the smallest; returns the
+    audit row's id and count, then `also`."""
+    listed = (
+        select(changed.c.message_id)
+        .order_by(changed.c.message_id)
+        .limit(bindparam("max_listed", type_=Integer))
+        .subquery("listed")
+    )
+    ids = select(
+        func.coalesce(
+            func.jsonb_agg(aggregate_order_by(listed.c.message_id, listed.c.message_id)),
+            cast(literal("[]"), JSONB),
+        )
+    ).scalar_subquery()
+    count = select(func.count()).select_from(changed).scalar_subquery()
+    return (
+        insert(audit)
+        .from_select(
+            ["group_id", "action", "message_ids", "count", "reason", "actor"],
+            select(
+                bindparam("gid", type_=Integer),
+                literal(action, Text),
+                ids,
+                count,
+                bindparam("reason", type_=Text),
+                bindparam("actor", type_=Text),
+            ),
+        )
+        .returning(audit.c.id, audit.c.count, *also)
+    )
+
+
+def _requeue(only_ids: bool, of_class: bool = False) -> Executable:
     requeued = (
         update(d)
-        .where(*where)
+        .where(*_dead_rows(only_ids, of_class))
         .values(
             state=t.READY,
             available_at=func.now(),
@@ -157,34 +193,7 @@ def _requeue(only_ids: bool) -> Executable:
         .returning(d.c.message_id)
         .cte("requeued")
     )
-    listed = (
-        select(requeued.c.message_id)
-        .order_by(requeued.c.message_id)
-        .limit(bindparam("max_listed", type_=Integer))
-        .subquery("listed")
-    )
-    ids = select(
-        func.coalesce(
-            func.jsonb_agg(aggregate_order_by(listed.c.message_id, listed.c.message_id)),
-            cast(literal("[]"), JSONB),
-        )
-    ).scalar_subquery()
-    count = select(func.count()).select_from(requeued).scalar_subquery()
-    return (
-        insert(audit)
-        .from_select(
-            ["group_id", "action", "message_ids", "count", "reason", "actor"],
-            select(
-                bindparam("gid", type_=Integer),
-                literal(REQUEUE_ACTION, Text),
-                ids,
-                count,
-                bindparam("reason", type_=Text),
-                bindparam("actor", type_=Text),
-            ),
-        )
-        .returning(audit.c.id, audit.c.count)
-    )
+    return _audited(REQUEUE_ACTION, requeued)
 
 
 @cache
@@ -203,6 +212,15 @@ def requeue_ids() -> Executable:
 def requeue_all() -> Executable:
     """`requeue_ids` for every dead row of `:gid` (rows never pass through Python)."""
     return _requeue(only_ids=False)
+
+
+@cache
+def requeue_class() -> Executable:
+    """`requeue_all` for the dead rows of `:gid` whose error class is `:cls`.
+
+    Through the partial index on failed rows: `(group_id, error_class)` is its key.
+    """
+    return _requeue(only_ids=False, of_class=True)
 
 
 @cache

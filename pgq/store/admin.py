@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from pgq.errors import UsageError
+from pgq.schema import ERROR_CLASSES
 from pgq.sql import admin as q
 from pgq.sql.publish import notify_channel
 from pgq.store.engine import schema_of
@@ -83,17 +84,28 @@ def check_message_id(message_id: object) -> int:
     return message_id
 
 
+def check_error_class(error_class: str) -> str:
+    """`error_class` if it is one of `systemic`, `message`, `permanent`, `lease`."""
+    if error_class not in ERROR_CLASSES:
+        raise UsageError(
+            f"invalid error class {error_class!r}: use one of {', '.join(ERROR_CLASSES)}"
+        )
+    return error_class
+
+
 def requeue(
     engine: Engine,
     group: str,
     ids: Sequence[int] | None = None,
     *,
     all_dead: bool = False,
+    error_class: str | None = None,
     reason: str,
     actor: str | None = None,
     max_listed: int = MAX_LISTED_IDS,
 ) -> RequeueResult:
-    """Requeue dead rows of `group` (the ones in `ids`, or every one with `all_dead`).
+    """Requeue dead rows of `group` (the ones in `ids`, or every one with `all_dead`,
+    only those of `error_class` when given).
 
     Each row becomes ready now: attempts, reclaims and refundable charges reset
     to 0, error class cleared; `last_error` and `refunds` stay. One `audit` row
@@ -101,12 +113,17 @@ def requeue(
     smallest), the full count, `reason` and `actor` (default `user@host`). All
     in one transaction. Raises `UsageError` for bad arguments (an id outside
     `1..MAX_MESSAGE_ID`, a reason that is empty or holds a NUL byte or a lone
-    surrogate), and when any of `ids` is not a dead row of the group (`not
-    dead: 12, 13`): then nothing is written. With `all_dead` the rows never pass
-    through Python, so any number of them works in bounded memory.
+    surrogate, an `error_class` without `all_dead`), and when any of `ids` is
+    not a dead row of the group (`not dead: 12, 13`): then nothing is written.
+    With `all_dead` the rows never pass through Python, so any number of them
+    works in bounded memory.
     """
     if (ids is None or len(ids) == 0) == (not all_dead):
         raise UsageError("requeue takes either ids or all_dead=True (not both)")
+    if error_class is not None:
+        if not all_dead:
+            raise UsageError("an error class selects among all dead rows: use it with all_dead")
+        check_error_class(error_class)
     wanted = [check_message_id(i) for i in dict.fromkeys(ids or ())]
     params: dict[str, Any] = {
         "reason": _reason(reason, "requeue"),
@@ -116,7 +133,10 @@ def requeue(
     with wrap_errors(), engine.begin() as conn:
         info = group_info(conn, group)
         params["gid"] = info.id
-        if all_dead:
+        if error_class is not None:
+            params["cls"] = error_class
+            statement = q.requeue_class()
+        elif all_dead:
             statement = q.requeue_all()
         else:
             found = set(conn.execute(q.lock_dead_ids(), {"gid": info.id, "ids": wanted}).scalars())
