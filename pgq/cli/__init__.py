@@ -6,7 +6,7 @@
 - `render`: the human lines for status, members, breaker, dead, server status;
 - `setup`: `init`, `topic create`, `subscribe`, `publish` (and its JSON input);
 - `inspect`: `status`, `members`, `breaker`, `dead`, `check`;
-- `admin`: `requeue`;
+- `admin`: `requeue`, `purge`;
 - `consume`: `consume`, its exit codes and signal handlers;
 - `server`: `server status`, `server stop`;
 - `demo`: `demo`, whose narration it prints.
@@ -36,6 +36,7 @@ for _command in (
     inspect.dead,
     inspect.check,
     admin.requeue_command,
+    admin.purge_command,
     consume.consume,
     server.server,
     demo.demo,

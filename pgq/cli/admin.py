@@ -1,7 +1,10 @@
-"""Repairing a group: `pgq requeue GROUP (--id ID ... | --all [--class C]) --reason TEXT`.
+"""Repairing a group: `pgq requeue` and `pgq purge`.
 
-`pgq requeue` turns dead rows back to ready and writes one `audit` row, in one
-transaction. `pgq.store.requeue()` is the plain function behind it, for scripts.
+`pgq requeue GROUP (--id ID ... | --all [--class C]) --reason TEXT` turns dead
+rows back to ready and `pgq purge GROUP --dead [--older-than D] --reason TEXT`
+deletes them; each writes one `audit` row in the same statement as its change.
+`pgq.store.requeue()` and `pgq.store.purge()` are the plain functions behind
+them, for scripts.
 """
 
 from __future__ import annotations
@@ -13,12 +16,15 @@ import click
 from pgq.cli.base import State, pass_state
 from pgq.errors import UsageError
 from pgq.schema import ERROR_CLASSES
-from pgq.store import requeue
-from pgq.store.admin import MAX_MESSAGE_ID
+from pgq.settings import parse_duration
+from pgq.store import purge, requeue
+from pgq.store.admin import MAX_MESSAGE_ID, MAX_OLDER_THAN
 
 __all__ = [
+    "parse_age",
     "parse_ids",
     "parse_message_id",
+    "purge_command",
     "requeue_command",
 ]
 
@@ -44,6 +50,21 @@ def parse_ids(values: Iterable[str]) -> list[int]:
         for part in value.split(","):
             ids[parse_message_id(part)] = None
     return list(ids)
+
+
+def parse_age(text: str) -> float:
+    """Seconds in `--older-than`: a number of seconds or a duration such as `7d`,
+    `12h`, `30m`, `90s`, from 0 to 100 years; else `UsageError`."""
+    try:
+        seconds = parse_duration(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= MAX_OLDER_THAN:
+        raise UsageError(
+            f"invalid --older-than {text[:40]!r}: use seconds or a duration"
+            " such as 7d, 12h, 30m, 90s (at most 100 years)"
+        )
+    return seconds
 
 
 def _reason_given(reason: str | None) -> str:
@@ -100,3 +121,42 @@ def requeue_command(
         reason=why,
     )
     click.echo(f"requeued {result.count}")
+
+
+@click.command("purge")
+@click.argument("group")
+@click.option(
+    "--dead",
+    "dead_rows",
+    is_flag=True,
+    help="delete dead rows (required: the only rows purge deletes)",
+)
+@click.option(
+    "--older-than",
+    metavar="D",
+    help="only rows dead for longer than D (seconds, or 7d, 12h, 30m, 90s; database clock)",
+)
+@click.option("--reason", help="why (required; stored in the audit row)")
+@pass_state
+def purge_command(
+    state: State, group: str, dead_rows: bool, older_than: str | None, reason: str | None
+) -> None:
+    """Delete dead rows of GROUP (audited), with `--dead` and `--reason`.
+
+    Dead rows that the group's owed or coming reconciliation will refund (the
+    rows `pgq check` calls pending) are kept. Prints `purged N`, and how many
+    were kept.
+    """
+    if not dead_rows:
+        raise UsageError("give --dead: purge deletes dead rows only")
+    why = _reason_given(reason)
+    age = parse_age(older_than) if older_than is not None else None
+    result = purge(
+        state.engine,
+        group,
+        older_than=age,
+        reason=why,
+        max_refunds=state.settings.breaker_max_refunds,
+    )
+    kept = f", kept {result.kept} pending reconciliation" if result.kept else ""
+    click.echo(f"purged {result.count}{kept}")

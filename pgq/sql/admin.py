@@ -1,10 +1,10 @@
 """Statements behind the admin commands: `pgq check` reads,
-`pgq requeue` writes.
+`pgq requeue` and `purge` write.
 
 `pgq check` reads the group's breaker row and its dead rows split by what they
 mean for alerting (see `pgq.monitor.check`); `pgq requeue` turns dead rows back
-to ready and writes its audit row in the same statement (one statement: the
-change and its audit row cannot come apart).
+to ready and `pgq purge` deletes them, each writing its audit row in the same
+statement (one statement: the change and its audit row cannot come apart).
 
 Dead rows always carry an error class (every path to `dead` sets one), so the
 dead-row statements also say `error_class IS NOT NULL`: that lets them use the
@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy import (
     BigInteger,
     Integer,
+    Interval,
     Text,
     and_,
     any_,
@@ -43,6 +44,9 @@ d, br, g, audit = t.delivery, t.breaker, t.consumer_group, t.audit
 
 REQUEUE_ACTION = "requeue"
 """The `audit.action` of a requeue."""
+
+PURGE_ACTION = "purge"
+"""The `audit.action` of a purge."""
 
 
 # --- pgq check ------------------------------------------------------------------
@@ -77,6 +81,20 @@ def check_group() -> Select[Any]:
     )
 
 
+def _max_refunds() -> ColumnElement[int]:
+    return bindparam("max_refunds", type_=Integer)
+
+
+def _pending() -> ColumnElement[bool]:
+    """The dead row will come back with the owed or coming reconciliation: charged
+    by the outage within the epochs `[:pending_from, :pending_to)` and refunded
+    fewer than `:max_refunds` times (NULL bounds: no row is pending)."""
+    within = charged_within(
+        bindparam("pending_from", type_=Integer), bindparam("pending_to", type_=Integer)
+    )
+    return func.coalesce(and_(d.c.refunds < _max_refunds(), within), False)
+
+
 @cache
 def check_dead() -> Executable:
     """Dead rows of group `:gid` by what they mean for alerting.
@@ -89,17 +107,8 @@ def check_dead() -> Executable:
     `permanent`, `lease`, `systemic` (each count leaves out the pending and
     capped rows, so the parts add up to `dead`).
     """
-    below_cap = d.c.refunds < bindparam("max_refunds", type_=Integer)
-    pending = func.coalesce(
-        and_(
-            below_cap,
-            charged_within(
-                bindparam("pending_from", type_=Integer), bindparam("pending_to", type_=Integer)
-            ),
-        ),
-        False,
-    )
-    capped = and_(d.c.error_class == t.SYSTEMIC, ~below_cap)
+    pending = _pending()
+    capped = and_(d.c.error_class == t.SYSTEMIC, d.c.refunds >= _max_refunds())
     real = and_(~pending, ~capped)
     return select(
         func.count().label("dead"),
@@ -227,6 +236,38 @@ def requeue_class() -> Executable:
 def notify() -> Executable:
     """Wake idle fetchers listening on `:channel` for topic `:topic` (sent at commit)."""
     return select(func.pg_notify(bindparam("channel", type_=Text), bindparam("topic", type_=Text)))
+
+
+# --- pgq purge ------------------------------------------------------------------
+
+
+def _purge(older: bool) -> Executable:
+    dead = _dead_rows()
+    if older:
+        dead.append(d.c.updated_at < func.now() - bindparam("older_than", type_=Interval))
+    purged = d.delete().where(*dead, ~_pending()).returning(d.c.message_id).cte("purged")
+    kept = select(func.count()).where(*dead, _pending()).scalar_subquery()
+    return _audited(PURGE_ACTION, purged, kept.label("kept"))
+
+
+@cache
+def purge_dead() -> Executable:
+    """Delete the dead rows of `:gid` and audit it, in one statement.
+
+    Rows the owed or coming reconciliation will bring back (`:pending_from`,
+    `:pending_to`, `:max_refunds`: see `check_dead`) are kept: they are not dead
+    letters. The audit row gets `:reason`, `:actor`, the count and at most
+    `:max_listed` ids (the smallest). Returns the audit row's id and count, and
+    `kept`, the pending rows left.
+    """
+    return _purge(older=False)
+
+
+@cache
+def purge_dead_older() -> Executable:
+    """`purge_dead` for the rows whose last change (`updated_at`, the database clock)
+    is older than `:older_than`."""
+    return _purge(older=True)
 
 
 # --- pgq demo -------------------------------------------------------------------

@@ -7,12 +7,20 @@
 - `topics`: topics, groups and publishing;
 - `migrations`: the versioned schema;
 - `inspect`: the reads behind status, members, breaker, dead and check;
-- `admin`: audited requeue, and the demo's housekeeping.
+- `admin`: audited requeue and purge, the reads behind show and audit, and the
+  demo's housekeeping.
 """
 
 from __future__ import annotations
 
-from pgq.store.admin import RequeueResult, database_now, drop_schema, requeue
+from pgq.store.admin import (
+    PurgeResult,
+    RequeueResult,
+    database_now,
+    drop_schema,
+    purge,
+    requeue,
+)
 from pgq.store.connections import (
     Listener,
     LostLock,
@@ -47,6 +55,7 @@ __all__ = [
     "GroupStore",
     "Listener",
     "LostLock",
+    "PurgeResult",
     "RequeueResult",
     "RoleConnection",
     "SessionLock",
@@ -65,6 +74,7 @@ __all__ = [
     "probe_lock_key",
     "publish",
     "publish_many",
+    "purge",
     "requeue",
     "resolve_dsn",
     "resolve_schema",

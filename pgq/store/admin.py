@@ -1,12 +1,14 @@
 """Audited administration of dead rows, and the demo's housekeeping.
 
-`requeue` (behind `pgq requeue`) turns dead rows back to ready and writes its
-audit row in the same statement.
+`requeue` and `purge` (behind `pgq requeue` and `pgq purge`) change dead rows
+and write their audit row in one statement.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import getpass
+import math
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -14,8 +16,10 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from pgq.breaker import pending_scope
 from pgq.errors import UsageError
 from pgq.schema import ERROR_CLASSES
+from pgq.settings import DEFAULTS
 from pgq.sql import admin as q
 from pgq.sql.publish import notify_channel
 from pgq.store.engine import schema_of
@@ -27,6 +31,9 @@ MAX_LISTED_IDS = 10_000
 
 MAX_MESSAGE_ID = 2**63 - 1
 """The largest message id (`bigint`)."""
+
+MAX_OLDER_THAN = 100 * 365 * 86400.0
+"""The longest `older_than` a purge takes (a hundred years, in seconds)."""
 
 _SHOWN_INVALID = 20
 
@@ -153,6 +160,80 @@ def requeue(
             channel = notify_channel(schema_of(engine))
             conn.execute(q.notify(), {"channel": channel, "topic": info.topic})
     return RequeueResult(count=int(count), audit_id=int(audit_id))
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeResult:
+    """What one purge did: rows deleted, dead rows kept because a reconciliation
+    will bring them back, and the audit row that records it."""
+
+    count: int
+    kept: int
+    audit_id: int
+
+
+def _older_than(seconds: float | None) -> dt.timedelta | None:
+    if seconds is None:
+        return None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise UsageError(f"invalid age {seconds!r}: use a number of seconds")
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_OLDER_THAN):
+        raise UsageError(
+            f"invalid age {seconds!r}: use 0 to {MAX_OLDER_THAN:.0f} seconds (100 years)"
+        )
+    return dt.timedelta(seconds=seconds)
+
+
+def purge(
+    engine: Engine,
+    group: str,
+    *,
+    older_than: float | None = None,
+    reason: str,
+    max_refunds: int = int(DEFAULTS["breaker_max_refunds"]),
+    actor: str | None = None,
+    max_listed: int = MAX_LISTED_IDS,
+) -> PurgeResult:
+    """Delete the dead rows of `group` (only those last changed more than
+    `older_than` seconds ago by the database clock, when given); audited.
+
+    Dead rows that the group's owed or coming reconciliation will refund
+    (charged by the outage, fewer than `max_refunds` refunds: the rows
+    `pgq check` counts as pending) are kept and counted in `kept`: they are not
+    dead letters. No other row is touched. One `audit` row (action `purge`)
+    records the count, at most `max_listed` ids (the smallest), `reason` and
+    `actor`, written by the same statement as the delete: both or neither.
+    The read of the breaker and the delete share one snapshot (REPEATABLE
+    READ); a dead row that a reconciliation or a requeue changes meanwhile
+    makes the purge fail as a `TransactionConflict`, with nothing written.
+    Why deleting a dead row is safe for the frontier and retention:
+    `docs/decisions/0017-purge.md`. Raises `UsageError` for bad arguments.
+    """
+    params: dict[str, Any] = {
+        "reason": _reason(reason, "purge"),
+        "actor": actor or default_actor(),
+        "max_listed": max_listed,
+        "max_refunds": max_refunds,
+    }
+    age = _older_than(older_than)
+    with (
+        wrap_errors(),
+        engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn,
+        conn.begin(),
+    ):
+        params["gid"] = group_info(conn, group).id
+        row = conn.execute(q.check_group(), {"gid": params["gid"]}).one()
+        scope = pending_scope(
+            row.state, int(row.epoch), row.reconcile_epoch, row.reconcile_from_epoch
+        )
+        params["pending_from"], params["pending_to"] = scope or (None, None)
+        if age is None:
+            statement = q.purge_dead()
+        else:
+            params["older_than"] = age
+            statement = q.purge_dead_older()
+        audit_id, count, kept = conn.execute(statement, params).one()
+    return PurgeResult(count=int(count), kept=int(kept), audit_id=int(audit_id))
 
 
 def database_now(engine: Engine) -> Any:

@@ -1,27 +1,36 @@
-"""`pgq requeue --all --class` and hostile requeue input (issue 11).
+"""`pgq purge` and `pgq requeue --all --class` (issue 11).
 
 Each command runs in-process through the CLI and through the plain function
-behind it. Hostile values (ids, reasons, classes) must give exit 2 with one
-line and write nothing; a requeue writes exactly one audit row.
+behind it. Hostile values (ids, durations, limits, reasons, classes) must give
+exit 2 with one line and write nothing; `purge` and `requeue` write exactly one
+audit row each, in the same statement as their change; a purge deletes dead
+rows only, and the group still drains, its frontier still advances and
+retention still deletes messages afterwards.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import threading
 from typing import Any
 
 import pytest
 from click.testing import Result
 from helpers import (
+    FAST,
     assert_usage_error,
+    db_now,
     invoke,
     rows,
+    wait_for_frontier,
+    wait_until,
 )
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, select, text, update
 
 import pgq
 from pgq import schema as t
-from pgq.errors import UsageError
-from pgq.store import requeue
+from pgq.errors import DatabaseError, TransactionConflict, UsageError
+from pgq.store import GroupStore, PurgeResult, purge, requeue
 
 GROUP = "billing"
 
@@ -55,9 +64,258 @@ def audit_rows(engine: Engine) -> list[Any]:
         return conn.execute(select(t.audit).order_by(t.audit.c.id)).all()
 
 
+def message_ids(engine: Engine) -> set[int]:
+    with engine.connect() as conn:
+        return set(conn.execute(select(t.message.c.id)).scalars())
+
+
 def ok(result: Result) -> str:
     assert result.exit_code == 0, (result.output, result.exception)
     return result.stdout
+
+
+def printable_lines(out: str) -> list[str]:
+    """The lines of `out`, each checked to hold printable characters only."""
+    lines = out.splitlines()
+    for line in lines:
+        assert line.isprintable(), repr(line)
+    return lines
+
+
+def refuse_audit_rows(engine: Engine, schema: str) -> None:
+    """A trigger that makes every audit insert fail (to prove the change goes with it)."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                f'CREATE FUNCTION "{schema}".refuse() RETURNS trigger LANGUAGE plpgsql'
+                " AS $$ BEGIN RAISE EXCEPTION 'audit refused'; END $$"
+            )
+        )
+        conn.execute(
+            text(
+                f'CREATE TRIGGER refuse BEFORE INSERT ON "{schema}".audit'
+                f' FOR EACH ROW EXECUTE FUNCTION "{schema}".refuse()'
+            )
+        )
+
+
+def expire_all(engine: Engine, topic: str = "orders") -> int:
+    """Retention (retention 0) of `topic` as a member runs it, until nothing is left."""
+    with engine.connect() as conn:
+        topic_id = conn.execute(select(t.topic.c.id).where(t.topic.c.name == topic)).scalar_one()
+    store = GroupStore(0, "-", topic, "retention", 30.0, 3)
+    total = 0
+    with engine.connect() as conn:
+        while True:
+            with conn.begin():
+                deleted = store.expire_messages(conn, topic_id, 0.0)
+            if not deleted:
+                return total
+            total += deleted
+
+
+# --- pgq purge -----------------------------------------------------------------------
+
+
+def mixed_rows(engine: Engine) -> dict[str, list[int]]:
+    """Eight messages: two ready, one leased, two done and three dead (one per class)."""
+    ids = publish(engine, 8)
+    set_rows(engine, ids[2:3], state="leased", lease_owner="m", lease_expires_at=db_now(engine))
+    set_rows(engine, ids[3:5], state="done")
+    kill(engine, ids[5:6], "message")
+    kill(engine, ids[6:7], "permanent")
+    kill(engine, ids[7:8], "lease")
+    return {"ready": ids[:2], "leased": ids[2:3], "done": ids[3:5], "dead": ids[5:]}
+
+
+def test_purge_deletes_only_dead_rows_and_writes_one_audit_row(orders, pgq_env):
+    kinds = mixed_rows(orders)
+    before = rows(orders, GROUP)
+    out = ok(invoke(pgq_env, "purge", GROUP, "--dead", "--reason", "poison messages"))
+    assert out == "purged 3\n"
+    after = rows(orders, GROUP)
+    assert set(after) == set(before) - set(kinds["dead"])
+    assert all(after[i] == before[i] for i in after)  # nothing else touched
+    [a] = audit_rows(orders)
+    assert (a.action, a.count, a.message_ids) == ("purge", 3, kinds["dead"])
+    assert a.reason == "poison messages" and "@" in a.actor
+    counts = pgq.status(orders, GROUP)["counts"]
+    assert (counts["dead"], counts["ready"], counts["leased"]) == (0, 2, 1)
+    assert message_ids(orders) >= set(kinds["dead"])  # the messages are retention's to delete
+
+
+def test_purge_older_than_counts_from_the_last_change_by_the_database_clock(orders, pgq_env):
+    ids = publish(orders, 4)
+    now = db_now(orders)
+    kill(orders, ids[:2], "message", updated_at=now - dt.timedelta(days=10))
+    kill(orders, ids[2:3], "permanent", updated_at=now - dt.timedelta(hours=1))
+    kill(orders, ids[3:4], "lease", updated_at=now + dt.timedelta(hours=1))
+    args = ("purge", GROUP, "--dead", "--reason", "old")
+    assert ok(invoke(pgq_env, *args, "--older-than", "7d")) == "purged 2\n"
+    assert ok(invoke(pgq_env, *args, "--older-than", "12h")) == "purged 0\n"
+    assert ok(invoke(pgq_env, *args, "--older-than", "30m")) == "purged 1\n"
+    assert set(rows(orders, GROUP)) == {ids[3]}
+    assert purge(orders, GROUP, older_than=90, reason="x").count == 0
+    assert [(a.count, a.message_ids) for a in audit_rows(orders)] == [
+        (2, ids[:2]),
+        (0, []),
+        (1, [ids[2]]),
+        (0, []),
+    ]
+
+
+def test_purge_keeps_the_rows_a_reconciliation_will_bring_back(orders, pgq_env):
+    ids = publish(orders, 4)
+    with orders.begin() as conn:
+        conn.execute(update(t.breaker).values(state="OPEN", epoch=1))
+    kill(orders, ids[:2], "systemic", error_epoch=0, refunds=0)  # the outage's: pending
+    kill(orders, ids[2:3], "systemic", refunds=3)  # past the refund cap: a dead letter
+    kill(orders, ids[3:4], "message")
+    out = ok(invoke(pgq_env, "purge", GROUP, "--dead", "--reason", "clean up"))
+    assert out == "purged 2, kept 2 pending reconciliation\n"
+    assert set(rows(orders, GROUP)) == set(ids[:2])
+    [a] = audit_rows(orders)
+    assert (a.count, a.message_ids) == (2, ids[2:])
+    # the cap comes from the settings, as in `pgq check`
+    result = purge(orders, GROUP, reason="again", max_refunds=0)
+    assert (result.count, result.kept) == (2, 0)
+
+
+@pytest.mark.parametrize(
+    ("args", "contains"),
+    [
+        (["--reason", "x"], "give --dead"),
+        (["--dead"], "--reason is required"),
+        (["--dead", "--reason", " \t "], "--reason is required"),
+        (["--dead", "--reason", "x", "--older-than", "abc"], "invalid --older-than 'abc'"),
+        (["--dead", "--reason", "x", "--older-than", "-1"], "invalid --older-than"),
+        (["--dead", "--reason", "x", "--older-than", "-7d"], "invalid --older-than"),
+        (["--dead", "--reason", "x", "--older-than", "1e300"], "invalid --older-than"),
+        (["--dead", "--reason", "x", "--older-than", "101000d"], "invalid --older-than"),
+        (["--dead", "--reason", "x", "--older-than", "nan"], "invalid --older-than"),
+        (["--dead", "--reason", "x", "--older-than", "inf"], "invalid --older-than"),
+        (["--dead", "--reason", "x", "--older-than", "7x"], "invalid --older-than"),
+        (["--dead", "--reason", "x", "--older-than", "5m1h"], "invalid --older-than"),
+        (["--dead", "--reason", "x", "--older-than", ""], "invalid --older-than"),
+        (["--dead", "--reason", "x", "--older-than", "\x1b[2J"], "invalid --older-than"),
+        (["--dead", "--reason", "a\x00b"], "without NUL bytes or lone surrogates"),
+        (["--dead", "--reason", "a\udc80b"], "without NUL bytes or lone surrogates"),
+    ],
+)
+def test_bad_purge_usage_is_one_line_exit_2_and_writes_nothing(orders, pgq_env, args, contains):
+    ids = publish(orders, 2)
+    kill(orders, ids, "message", updated_at=db_now(orders) - dt.timedelta(days=365))
+    before = rows(orders, GROUP)
+    result = invoke(pgq_env, "purge", GROUP, *args)
+    assert_usage_error(result.exit_code, result.stderr, contains=contains)
+    assert printable_lines(result.stderr)
+    assert rows(orders, GROUP) == before
+    assert audit_rows(orders) == []
+
+
+def test_purge_unknown_group_and_library_argument_checks(orders, pgq_env):
+    result = invoke(pgq_env, "purge", "nosuch", "--dead", "--reason", "x")
+    assert_usage_error(result.exit_code, result.stderr, contains="unknown group 'nosuch'")
+    for age in (-1, float("nan"), float("inf"), 1e300, True, "7d"):
+        with pytest.raises(UsageError, match="invalid age"):
+            purge(orders, GROUP, older_than=age, reason="x")  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="non-empty reason"):
+        purge(orders, GROUP, reason="  ")
+    assert audit_rows(orders) == []
+
+
+def test_a_purge_whose_audit_row_fails_deletes_nothing(orders, schema, pgq_env):
+    ids = publish(orders, 3)
+    kill(orders, ids, "permanent")
+    before = rows(orders, GROUP)
+    refuse_audit_rows(orders, schema)
+    with pytest.raises(DatabaseError, match="audit refused"):
+        purge(orders, GROUP, reason="x")
+    result = invoke(pgq_env, "purge", GROUP, "--dead", "--reason", "x")
+    assert result.exit_code == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "audit refused" in result.stderr and "Traceback" not in result.stderr
+    assert rows(orders, GROUP) == before
+    # the same holds for requeue
+    with pytest.raises(DatabaseError, match="audit refused"):
+        requeue(orders, GROUP, all_dead=True, reason="x")
+    with pytest.raises(DatabaseError, match="audit refused"):
+        requeue(orders, GROUP, all_dead=True, error_class="permanent", reason="x")
+    assert rows(orders, GROUP) == before
+    assert audit_rows(orders) == []
+
+
+def test_a_dead_row_changed_during_a_purge_makes_it_fail_whole(orders):
+    """The purge decides from one snapshot: a row requeued after it looked is not
+    deleted on a stale view; the purge fails as a conflict and writes nothing."""
+    ids = publish(orders, 3)
+    kill(orders, ids, "message")
+    outcome: list[BaseException | PurgeResult] = []
+    with orders.connect() as conn:
+        conn.begin()
+        conn.execute(update(t.delivery).where(t.delivery.c.message_id == ids[1])
+                     .values(state="ready", error_class=None))  # fmt: skip
+
+        def run() -> None:
+            try:
+                outcome.append(purge(orders, GROUP, reason="x"))
+            except BaseException as exc:
+                outcome.append(exc)
+
+        worker = threading.Thread(target=run, name="purge")
+        worker.start()
+        wait_until(lambda: purge_waits(orders) or outcome, 30, "the purge to wait for the row")
+        conn.commit()
+    worker.join(30)
+    assert not worker.is_alive()
+    [exc] = outcome
+    assert isinstance(exc, TransactionConflict), exc
+    after = rows(orders, GROUP)
+    assert [after[i].state for i in ids] == ["dead", "ready", "dead"]
+    assert audit_rows(orders) == []
+    assert purge(orders, GROUP, reason="again").count == 2  # run again: fine
+
+
+def purge_waits(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock' AND query LIKE '%DELETE FROM%audit%'"
+                )
+            ).scalar()
+        )
+
+
+def test_after_a_purge_the_group_drains_the_frontier_passes_and_retention_deletes(orders, pgq_env):
+    """The purged rows are a gap in the group's rows: the frontier passes it like
+    the gaps pruning leaves, and retention deletes the purged messages with the
+    others. The first message waits (not claimable), so the purge happens ahead
+    of the frontier."""
+    [first] = pgq.publish_many(orders, "orders", [{"n": -1}], delay=3600)
+    ids = publish(orders, 6)
+    doomed = {ids[1], ids[4], ids[5]}  # the last rows too: nothing after them
+
+    def handle(msg: pgq.Message) -> None:
+        if msg.id in doomed:
+            raise pgq.PermanentError("poison")
+
+    summary = pgq.Consumer(orders, GROUP, handle, workers=2, **FAST).run(until_empty=True)
+    assert (summary.done, summary.dead) == (3, 3)
+    assert pgq.status(orders, GROUP)["committed"] is None  # held by the waiting first row
+    assert ok(invoke(pgq_env, "purge", GROUP, "--dead", "--reason", "poison")) == "purged 3\n"
+
+    set_rows(orders, [first], available_at=db_now(orders))
+    more = publish(orders, 2)
+    summary = pgq.Consumer(orders, GROUP, handle, workers=2, **FAST).run(until_empty=True)
+    assert (summary.done, summary.dead, summary.stop_reason) == (3, 0, "empty")
+    wait_for_frontier(orders, GROUP, more[-1])
+    status = pgq.status(orders, GROUP)
+    assert status["counts"] == {"ready": 0, "leased": 0, "done": 6, "dead": 0, "dead_systemic": 0}
+    assert rows(orders, GROUP) == {}  # every done row pruned
+
+    assert expire_all(orders) == 9
+    assert message_ids(orders) == set()
 
 
 # --- pgq requeue --all --class -------------------------------------------------------
