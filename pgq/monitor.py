@@ -1,4 +1,5 @@
-"""What a group is doing: the functions behind `pgq status`, `members`, `breaker`, `dead`.
+"""What a group is doing: the functions behind `pgq status`, `members`, `breaker`, `dead`,
+`check` and `show`.
 
 Plain typed functions a script can call as well as the CLI. Each returns plain
 dicts and lists in exactly the shape the CLI prints with `--json` (DESIGN §7):
@@ -13,14 +14,16 @@ and the default is the documented default.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import Engine
 
 from pgq.breaker import pending_scope
+from pgq.errors import UsageError
 from pgq.settings import DEFAULTS
-from pgq.store import inspect
+from pgq.store import admin, inspect
 
 __all__ = [
     "CHECK_EXIT_CODES",
@@ -34,6 +37,7 @@ __all__ = [
     "frontier_held_by",
     "iso",
     "members",
+    "message",
     "pending_scope",
     "status",
     "status_all",
@@ -288,3 +292,85 @@ def check(engine: Engine, group: str, max_refunds: int = DEFAULT_MAX_REFUNDS) ->
         lag=int(row.ready) + int(row.leased),
         committed=row.committed_id,
     )
+
+
+# --- pgq show -------------------------------------------------------------------
+
+
+def _decoded(text: str | None) -> tuple[Any, str | None]:
+    """JSON text as a value, or (None, why) when Python's decoder cannot take it
+    (jsonb nests far deeper than Python's decoder goes)."""
+    if text is None:
+        return None, None
+    try:
+        return json.loads(text), None
+    except (RecursionError, ValueError) as exc:
+        return None, f"the stored message cannot be decoded: {type(exc).__name__}"
+
+
+def message(engine: Engine, group: str, message_id: int) -> dict[str, Any]:
+    """`pgq show GROUP ID --json`: message `message_id` of `group` in full.
+
+    `{"group", "topic", "message_id", "key", "payload", "headers", "created_at",
+    "state", "attempts", "reclaims", "refundable_attempts",
+    "refundable_reclaims", "refunds", "error_class", "error", "error_epoch",
+    "lease_owner", "lease_expires_at", "available_at", "updated_at",
+    "behind_frontier", "row", "purge", "unreadable"}`.
+
+    `row` says what is left of the group's delivery row: `"present"`;
+    `"pruned"` (no row, behind the frontier: a done row the frontier deleted, so
+    `state` is `done` and the row's own fields are None); `"purged"` (no row,
+    and a `pgq purge` audit row lists the id: `state` is `purged` and `purge`
+    names that audit row). `unreadable` says why `payload`/`headers` are None
+    when they are stored but too deeply nested to decode. Raises `UsageError`
+    when the group never had the message (no such id, another topic's, gone
+    to retention, or no row ahead of the frontier) or for an id outside
+    `1..2**63-1`, and `UnknownGroup`. A message published before a group
+    subscribed with `start="latest"` and behind its frontier cannot be told
+    from a pruned one: it shows as done.
+    """
+    row = admin.message_row(engine, group, message_id)
+    if row is None or not (row.has_row or row.purge_audit_id is not None or row.behind_frontier):
+        raise UsageError(f"group {group!r} has no message {message_id}")
+    payload, bad_payload = _decoded(row.payload)
+    headers, bad_headers = _decoded(row.headers)
+    if row.has_row:
+        left, state = "present", row.state
+    elif row.purge_audit_id is not None:
+        left, state = "purged", "purged"
+    else:
+        left, state = "pruned", "done"
+    purge = None
+    if left == "purged":
+        purge = {
+            "audit_id": row.purge_audit_id,
+            "at": iso(row.purged_at),
+            "actor": row.purged_by,
+            "reason": row.purge_reason,
+        }
+    return {
+        "group": group,
+        "topic": row.topic,
+        "message_id": row.id,
+        "key": row.key,
+        "payload": payload,
+        "headers": headers,
+        "created_at": iso(row.created_at),
+        "state": state,
+        "attempts": row.attempts,
+        "reclaims": row.reclaims,
+        "refundable_attempts": row.refundable_attempts,
+        "refundable_reclaims": row.refundable_reclaims,
+        "refunds": row.refunds,
+        "error_class": row.error_class,
+        "error": row.last_error,
+        "error_epoch": row.error_epoch,
+        "lease_owner": row.lease_owner,
+        "lease_expires_at": iso(row.lease_expires_at),
+        "available_at": iso(row.available_at),
+        "updated_at": iso(row.updated_at),
+        "behind_frontier": bool(row.behind_frontier),
+        "row": left,
+        "purge": purge,
+        "unreadable": bad_payload or bad_headers,
+    }

@@ -6,7 +6,7 @@
 - `render`: the human lines for status, members, breaker, dead, server status;
 - `setup`: `init`, `topic create`, `subscribe`, `publish` (and its JSON input);
 - `inspect`: `status`, `members`, `breaker`, `dead`, `check`;
-- `admin`: `requeue`, `purge`;
+- `admin`: `requeue`, `purge`, `show`;
 - `consume`: `consume`, its exit codes and signal handlers;
 - `server`: `server status`, `server stop`;
 - `demo`: `demo`, whose narration it prints.
@@ -35,6 +35,7 @@ for _command in (
     inspect.breaker,
     inspect.dead,
     inspect.check,
+    admin.show_command,
     admin.requeue_command,
     admin.purge_command,
     consume.consume,

@@ -1,19 +1,27 @@
-"""Repairing a group: `pgq requeue` and `pgq purge`.
+"""Repairing a group and looking at one message: `pgq requeue`, `pgq purge`, `pgq show`.
 
 `pgq requeue GROUP (--id ID ... | --all [--class C]) --reason TEXT` turns dead
 rows back to ready and `pgq purge GROUP --dead [--older-than D] --reason TEXT`
 deletes them; each writes one `audit` row in the same statement as its change.
-`pgq.store.requeue()` and `pgq.store.purge()` are the plain functions behind
+`pgq show GROUP ID` prints one message in full. `pgq.store.requeue()`,
+`pgq.store.purge()` and `pgq.monitor.message()` are the plain functions behind
 them, for scripts.
+
+Human output escapes every character that is not printable (`render.visible`):
+payloads, error texts and names come from users and handlers.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from typing import Any
 
 import click
 
-from pgq.cli.base import State, pass_state
+from pgq import monitor
+from pgq.cli.base import State, emit, json_option, pass_state
+from pgq.cli.render import one_line, visible
 from pgq.errors import UsageError
 from pgq.schema import ERROR_CLASSES
 from pgq.settings import parse_duration
@@ -21,11 +29,13 @@ from pgq.store import purge, requeue
 from pgq.store.admin import MAX_MESSAGE_ID, MAX_OLDER_THAN
 
 __all__ = [
+    "message_lines",
     "parse_age",
     "parse_ids",
     "parse_message_id",
     "purge_command",
     "requeue_command",
+    "show_command",
 ]
 
 
@@ -160,3 +170,76 @@ def purge_command(
     )
     kept = f", kept {result.kept} pending reconciliation" if result.kept else ""
     click.echo(f"purged {result.count}{kept}")
+
+
+def _json_text(value: Any) -> str:
+    return visible(json.dumps(value, ensure_ascii=False))
+
+
+def message_lines(m: dict[str, Any]) -> list[str]:
+    """`pgq show GROUP ID`: one `name  value` line per field."""
+    state = m["state"]
+    if m["row"] == "pruned":
+        state += " (row pruned behind the frontier: its counters are gone)"
+    elif m["row"] == "purged":
+        p = m["purge"]
+        state += f" (audit {p['audit_id']}, {p['at']}, by {p['actor']}: {one_line(p['reason'])})"
+    lease = "-"
+    if m["lease_owner"] is not None:
+        lease = f"{m['lease_owner']} until {m['lease_expires_at'] or '-'}"
+    fields: list[tuple[str, object]] = [
+        ("message", m["message_id"]),
+        ("group", f"{m['group']} (topic {m['topic']})"),
+        ("state", state),
+        ("behind frontier", m["behind_frontier"]),
+        ("key", m["key"]),
+        ("created_at", m["created_at"]),
+        ("available_at", m["available_at"]),
+        ("updated_at", m["updated_at"]),
+        ("attempts", m["attempts"]),
+        ("reclaims", m["reclaims"]),
+        ("refundable", _refundable(m)),
+        ("refunds", m["refunds"]),
+        ("error_class", m["error_class"]),
+        ("error_epoch", m["error_epoch"]),
+        ("error", m["error"]),
+        ("lease", lease),
+        ("headers", None if m["headers"] is None else _json_text(m["headers"])),
+        (
+            "payload",
+            m["unreadable"]
+            if m["payload"] is None and m["unreadable"]
+            else _json_text(m["payload"]),
+        ),
+    ]
+    width = max(len(name) for name, _ in fields)
+    return [f"{name.ljust(width)}  {_value(value)}" for name, value in fields]
+
+
+def _refundable(m: dict[str, Any]) -> str | None:
+    if m["refundable_attempts"] is None:
+        return None
+    return f"attempts {m['refundable_attempts']}, reclaims {m['refundable_reclaims']}"
+
+
+def _value(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return visible(str(value))
+
+
+@click.command("show")
+@click.argument("group")
+@click.argument("message_id", metavar="ID")
+@json_option("a JSON object")
+@pass_state
+def show_command(state: State, group: str, message_id: str, as_json: bool) -> None:
+    """One message of GROUP in full: payload, headers, state, counters, error, lease.
+
+    A done row the frontier already pruned shows as done with what is left; an
+    id the group never had exits 2.
+    """
+    info = monitor.message(state.engine, group, parse_message_id(message_id))
+    emit(info, as_json, message_lines)

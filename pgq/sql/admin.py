@@ -1,10 +1,11 @@
-"""Statements behind the admin commands: `pgq check` reads,
+"""Statements behind the admin commands: `pgq check` and `show` read,
 `pgq requeue` and `purge` write.
 
 `pgq check` reads the group's breaker row and its dead rows split by what they
 mean for alerting (see `pgq.monitor.check`); `pgq requeue` turns dead rows back
 to ready and `pgq purge` deletes them, each writing its audit row in the same
-statement (one statement: the change and its audit row cannot come apart).
+statement (one statement: the change and its audit row cannot come apart);
+`pgq show` reads one message with its row.
 
 Dead rows always carry an error class (every path to `dead` sets one), so the
 dead-row statements also say `error_class IS NOT NULL`: that lets them use the
@@ -30,7 +31,10 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    literal_column,
     select,
+    true,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
@@ -268,6 +272,74 @@ def purge_dead_older() -> Executable:
     """`purge_dead` for the rows whose last change (`updated_at`, the database clock)
     is older than `:older_than`."""
     return _purge(older=True)
+
+
+# --- pgq show --------------------------------------------------------------------------
+
+
+@cache
+def message_in_group() -> Select[Any]:
+    """Message `:mid` of group `:gid`'s topic with the group's row for it; no row when
+    the message is gone or of another topic.
+
+    Without a delivery row (`has_row` false) `behind_frontier` tells a done row
+    the frontier pruned; `purge_*` name the newest purge whose audit row lists
+    the id. Payload and headers come as JSON text (the caller decodes them: a
+    payload nested deeper than Python's decoder must not fail the read).
+    """
+    m, gid = t.message, bindparam("gid", type_=Integer)
+    purge = (
+        select(audit.c.id, audit.c.at, audit.c.actor, audit.c.reason)
+        .where(
+            d.c.message_id.is_(None),
+            audit.c.group_id == gid,
+            audit.c.action == PURGE_ACTION,
+            audit.c.message_ids.contains(func.jsonb_build_array(m.c.id)),
+        )
+        .order_by(audit.c.id.desc())
+        .limit(literal_column("1"))
+        .lateral("purge")
+    )
+    behind = and_(
+        g.c.committed_id.is_not(None),
+        tuple_(m.c.xid, m.c.id) <= tuple_(g.c.committed_xid, g.c.committed_id),
+    )
+    return (
+        select(
+            m.c.id,
+            t.topic.c.name.label("topic"),
+            m.c.key,
+            cast(m.c.payload, Text).label("payload"),
+            cast(m.c.headers, Text).label("headers"),
+            m.c.created_at,
+            d.c.message_id.is_not(None).label("has_row"),
+            d.c.state,
+            d.c.attempts,
+            d.c.reclaims,
+            d.c.refundable_attempts,
+            d.c.refundable_reclaims,
+            d.c.refunds,
+            d.c.error_class,
+            d.c.last_error,
+            d.c.error_epoch,
+            d.c.lease_owner,
+            d.c.lease_expires_at,
+            d.c.available_at,
+            d.c.updated_at,
+            func.coalesce(behind, False).label("behind_frontier"),
+            purge.c.id.label("purge_audit_id"),
+            purge.c.at.label("purged_at"),
+            purge.c.actor.label("purged_by"),
+            purge.c.reason.label("purge_reason"),
+        )
+        .select_from(
+            m.join(g, and_(g.c.id == gid, g.c.topic_id == m.c.topic_id))
+            .join(t.topic, t.topic.c.id == m.c.topic_id)
+            .outerjoin(d, and_(d.c.group_id == g.c.id, d.c.message_id == m.c.id))
+            .outerjoin(purge, true())
+        )
+        .where(m.c.id == bindparam("mid", type_=BigInteger))
+    )
 
 
 # --- pgq demo -------------------------------------------------------------------

@@ -1,7 +1,8 @@
-"""Audited administration of dead rows, and the demo's housekeeping.
+"""Audited administration of dead rows, and the reads beside it.
 
 `requeue` and `purge` (behind `pgq requeue` and `pgq purge`) change dead rows
-and write their audit row in one statement.
+and write their audit row in one statement; `message_row` reads one message
+with its delivery row (`pgq show`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, Row
 
 from pgq.breaker import pending_scope
 from pgq.errors import UsageError
@@ -24,6 +25,7 @@ from pgq.sql import admin as q
 from pgq.sql.publish import notify_channel
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
+from pgq.store.inspect import snapshot
 from pgq.store.topics import group_info
 
 MAX_LISTED_IDS = 10_000
@@ -234,6 +236,18 @@ def purge(
             statement = q.purge_dead_older()
         audit_id, count, kept = conn.execute(statement, params).one()
     return PurgeResult(count=int(count), kept=int(kept), audit_id=int(audit_id))
+
+
+def message_row(engine: Engine, group: str, message_id: int) -> Row[Any] | None:
+    """Message `message_id` of `group`'s topic with the group's delivery row (see
+    `pgq.sql.admin.message_in_group`), or None when there is no such message.
+
+    Raises `UnknownGroup`, and `UsageError` for an id outside `1..MAX_MESSAGE_ID`.
+    """
+    mid = check_message_id(message_id)
+    with snapshot(engine) as conn:
+        gid = group_info(conn, group).id
+        return conn.execute(q.message_in_group(), {"gid": gid, "mid": mid}).one_or_none()
 
 
 def database_now(engine: Engine) -> Any:

@@ -1,4 +1,4 @@
-"""`pgq purge` and `pgq requeue --all --class` (issue 11).
+"""`pgq show`, `pgq purge` and `pgq requeue --all --class` (issue 11).
 
 Each command runs in-process through the CLI and through the plain function
 behind it. Hostile values (ids, durations, limits, reasons, classes) must give
@@ -11,6 +11,7 @@ retention still deletes messages afterwards.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 from typing import Any
 
@@ -28,11 +29,15 @@ from helpers import (
 from sqlalchemy import Engine, select, text, update
 
 import pgq
+from pgq import monitor
 from pgq import schema as t
 from pgq.errors import DatabaseError, TransactionConflict, UsageError
 from pgq.store import GroupStore, PurgeResult, purge, requeue
 
 GROUP = "billing"
+DEEP = '{"a":' * 5000 + "1" + "}" * 5000
+HOSTILE = "a\x1b]0;owned\x07b\x1b[2J\u202ec\x9bd"
+"""Text that would set the terminal's title, clear the screen and reverse the line."""
 
 
 def publish(engine: Engine, n: int, topic: str = "orders") -> list[int]:
@@ -112,6 +117,118 @@ def expire_all(engine: Engine, topic: str = "orders") -> int:
             if not deleted:
                 return total
             total += deleted
+
+
+# --- pgq show ------------------------------------------------------------------------
+
+
+def test_show_prints_one_message_in_full(orders, pgq_env):
+    [mid, _] = pgq.publish_many(orders, "orders", [{"n": 1}, {"n": 2}])
+    with orders.begin() as conn:
+        conn.execute(update(t.message).where(t.message.c.id == mid).values(key="k1",
+                     headers={"h": 1}))  # fmt: skip
+    expires = db_now(orders) + dt.timedelta(minutes=5)
+    set_rows(orders, [mid], state="leased", attempts=2, reclaims=1, refundable_attempts=1,
+             refundable_reclaims=1, refunds=1, error_class="systemic", last_error="boom",
+             error_epoch=3, lease_owner="host:1:ab", lease_expires_at=expires)  # fmt: skip
+    info = monitor.message(orders, GROUP, mid)
+    assert info["message_id"] == mid and (info["group"], info["topic"]) == (GROUP, "orders")
+    assert (info["payload"], info["headers"], info["key"]) == ({"n": 1}, {"h": 1}, "k1")
+    assert info["state"] == "leased" and info["row"] == "present"
+    assert (info["attempts"], info["reclaims"], info["refunds"]) == (2, 1, 1)
+    assert (info["refundable_attempts"], info["refundable_reclaims"]) == (1, 1)
+    assert (info["error_class"], info["error"], info["error_epoch"]) == ("systemic", "boom", 3)
+    assert info["lease_owner"] == "host:1:ab"
+    assert dt.datetime.fromisoformat(info["lease_expires_at"]) == expires
+    for key in ("created_at", "available_at", "updated_at", "lease_expires_at"):
+        assert info[key].endswith("+00:00")
+    assert info["purge"] is None and info["unreadable"] is None
+
+    assert json.loads(ok(invoke(pgq_env, "show", GROUP, str(mid), "--json"))) == info
+    lines = printable_lines(ok(invoke(pgq_env, "show", GROUP, str(mid))))
+    fields = dict(line.split(None, 1) for line in lines if not line.startswith("behind"))
+    assert fields["state"] == "leased" and fields["error"] == "boom"
+    assert fields["lease"] == f"host:1:ab until {info['lease_expires_at']}"
+    assert fields["refundable"] == "attempts 1, reclaims 1"
+    assert fields["payload"] == '{"n": 1}' and fields["headers"] == '{"h": 1}'
+
+
+def test_show_escapes_every_text_that_came_from_users(orders, pgq_env):
+    [mid] = pgq.publish_many(orders, "orders", [{"text": HOSTILE}], headers={"h": HOSTILE})
+    with orders.begin() as conn:
+        conn.execute(update(t.message).where(t.message.c.id == mid).values(key=HOSTILE))
+    kill(orders, [mid], "message", last_error="Traceback\n  line 2\n" + HOSTILE,
+         lease_owner=HOSTILE)  # fmt: skip
+    out = ok(invoke(pgq_env, "show", GROUP, str(mid)))
+    lines = printable_lines(out)
+    assert len(lines) == 18  # one per field: no forged line
+    assert "\\x1b]0;owned\\x07" in out and "\\u202e" in out and "\\x9b" in out
+    assert "Traceback\\n  line 2\\n" in out
+    # JSON escapes them too, and keeps the exact values
+    out = ok(invoke(pgq_env, "show", GROUP, str(mid), "--json"))
+    assert out.isascii() and json.loads(out)["payload"] == {"text": HOSTILE}
+
+
+def test_show_a_done_row_the_frontier_pruned(orders, pgq_env):
+    ids = publish(orders, 3)
+    summary = pgq.Consumer(orders, GROUP, lambda m: None, workers=1, **FAST).run(until_empty=True)
+    assert summary.done == 3
+    wait_for_frontier(orders, GROUP, ids[-1])
+    assert rows(orders, GROUP) == {}  # pruned
+    info = monitor.message(orders, GROUP, ids[1])
+    assert (info["state"], info["row"], info["behind_frontier"]) == ("done", "pruned", True)
+    assert info["payload"] == {"n": 1}
+    assert info["attempts"] is info["error"] is info["available_at"] is None
+    out = ok(invoke(pgq_env, "show", GROUP, str(ids[1])))
+    assert "state            done (row pruned behind the frontier" in out
+
+
+def test_show_an_undecodable_payload_says_so(orders, schema, pgq_env):
+    [mid] = publish(orders, 1)
+    with orders.begin() as conn:
+        conn.execute(
+            text(f'UPDATE "{schema}".message SET payload = CAST(:p AS jsonb) WHERE id = :id'),
+            {"p": DEEP, "id": mid},
+        )
+    info = monitor.message(orders, GROUP, mid)
+    assert info["payload"] is None
+    assert info["unreadable"] == "the stored message cannot be decoded: RecursionError"
+    assert json.loads(ok(invoke(pgq_env, "show", GROUP, str(mid), "--json")))["payload"] is None
+    out = ok(invoke(pgq_env, "show", GROUP, str(mid)))
+    assert "payload          the stored message cannot be decoded: RecursionError" in out
+
+
+def test_show_an_id_the_group_never_had_exits_2(orders, pgq_env):
+    [mine] = publish(orders, 1)
+    pgq.create_topic(orders, "other")
+    pgq.subscribe(orders, "elsewhere", "other")
+    [theirs] = publish(orders, 1, topic="other")
+    pgq.subscribe(orders, "late", "orders", start="latest")  # never had `mine`
+    for group, mid in ((GROUP, theirs), (GROUP, 999_999), ("late", mine)):
+        result = invoke(pgq_env, "show", group, str(mid))
+        assert_usage_error(result.exit_code, result.stderr, contains=f"has no message {mid}")
+        with pytest.raises(UsageError):
+            monitor.message(orders, group, mid)
+    result = invoke(pgq_env, "show", "nosuch", str(mine))
+    assert_usage_error(result.exit_code, result.stderr, contains="unknown group 'nosuch'")
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["0", "99999999999999999999", str(2**63), "1" * 5000, "abc", "1.5", "¹", "٣", "1e3", "", " "],
+)
+def test_show_refuses_a_bad_id_in_one_line(orders, pgq_env, value):
+    publish(orders, 1)
+    result = invoke(pgq_env, "show", GROUP, value)
+    assert_usage_error(result.exit_code, result.stderr, contains="invalid message id")
+
+
+def test_show_refuses_negative_ids_and_library_misuse(orders, pgq_env):
+    result = invoke(pgq_env, "show", GROUP, "-5")
+    assert_usage_error(result.exit_code, result.stderr)
+    for bad in (0, -1, 2**63, True, "1"):
+        with pytest.raises(UsageError, match="invalid message id"):
+            monitor.message(orders, GROUP, bad)  # type: ignore[arg-type]
 
 
 # --- pgq purge -----------------------------------------------------------------------
@@ -304,6 +421,11 @@ def test_after_a_purge_the_group_drains_the_frontier_passes_and_retention_delete
     assert (summary.done, summary.dead) == (3, 3)
     assert pgq.status(orders, GROUP)["committed"] is None  # held by the waiting first row
     assert ok(invoke(pgq_env, "purge", GROUP, "--dead", "--reason", "poison")) == "purged 3\n"
+    purged = monitor.message(orders, GROUP, ids[1])
+    assert (purged["state"], purged["row"]) == ("purged", "purged")
+    assert purged["purge"]["reason"] == "poison" and purged["attempts"] is None
+    out = ok(invoke(pgq_env, "show", GROUP, str(ids[4])))
+    assert "state            purged (audit " in out and ": poison)" in out
 
     set_rows(orders, [first], available_at=db_now(orders))
     more = publish(orders, 2)
@@ -316,6 +438,8 @@ def test_after_a_purge_the_group_drains_the_frontier_passes_and_retention_delete
 
     assert expire_all(orders) == 9
     assert message_ids(orders) == set()
+    result = invoke(pgq_env, "show", GROUP, str(ids[1]))
+    assert_usage_error(result.exit_code, result.stderr, contains="has no message")
 
 
 # --- pgq requeue --all --class -------------------------------------------------------
