@@ -1,5 +1,5 @@
 """What a group is doing: the functions behind `pgq status`, `members`, `breaker`, `dead`,
-`check` and `show`.
+`check`, `show` and `audit`.
 
 Plain typed functions a script can call as well as the CLI. Each returns plain
 dicts and lists in exactly the shape the CLI prints with `--json` (DESIGN §7):
@@ -27,9 +27,11 @@ from pgq.store import admin, inspect
 
 __all__ = [
     "CHECK_EXIT_CODES",
+    "DEFAULT_AUDIT_LIMIT",
     "DEFAULT_HISTORY_LIMIT",
     "DEFAULT_MAX_REFUNDS",
     "DEFAULT_MEMBER_TTL",
+    "audit",
     "breaker_info",
     "check",
     "check_verdict",
@@ -48,6 +50,9 @@ DEFAULT_MEMBER_TTL: float = float(DEFAULTS["breaker_member_ttl"])
 
 DEFAULT_HISTORY_LIMIT = 20
 """Breaker transitions `breaker_info` returns by default."""
+
+DEFAULT_AUDIT_LIMIT = 20
+"""Audit rows `audit` returns by default."""
 
 DEFAULT_MAX_REFUNDS: int = int(DEFAULTS["breaker_max_refunds"])
 """Refunds after which a systemic row stays dead (`breaker.max_refunds`)."""
@@ -294,7 +299,7 @@ def check(engine: Engine, group: str, max_refunds: int = DEFAULT_MAX_REFUNDS) ->
     )
 
 
-# --- pgq show -------------------------------------------------------------------
+# --- pgq show and pgq audit -----------------------------------------------------
 
 
 def _decoded(text: str | None) -> tuple[Any, str | None]:
@@ -374,3 +379,25 @@ def message(engine: Engine, group: str, message_id: int) -> dict[str, Any]:
         "purge": purge,
         "unreadable": bad_payload or bad_headers,
     }
+
+
+def audit(engine: Engine, group: str, limit: int = DEFAULT_AUDIT_LIMIT) -> list[dict[str, Any]]:
+    """`pgq audit GROUP --json`: the newest `limit` audit rows of `group`, newest first.
+
+    Each is `{"id", "at", "action", "count", "message_ids", "reason", "actor"}`:
+    `action` is `requeue` or `purge`, `count` the rows it changed, `message_ids`
+    at most 10,000 of them (the smallest). Raises `UnknownGroup`, and
+    `UsageError` for a limit outside `0..2**31-1`.
+    """
+    return [
+        {
+            "id": r.id,
+            "at": iso(r.at),
+            "action": r.action,
+            "count": int(r._mapping["count"]),  # `r.count` is the tuple method
+            "message_ids": r.message_ids,
+            "reason": r.reason,
+            "actor": r.actor,
+        }
+        for r in admin.audit_rows(engine, group, limit)
+    ]

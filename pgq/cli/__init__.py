@@ -6,7 +6,7 @@
 - `render`: the human lines for status, members, breaker, dead, server status;
 - `setup`: `init`, `topic create`, `subscribe`, `publish` (and its JSON input);
 - `inspect`: `status`, `members`, `breaker`, `dead`, `check`;
-- `admin`: `requeue`, `purge`, `show`;
+- `admin`: `requeue`, `purge`, `show`, `audit`;
 - `consume`: `consume`, its exit codes and signal handlers;
 - `server`: `server status`, `server stop`;
 - `demo`: `demo`, whose narration it prints.
@@ -38,6 +38,7 @@ for _command in (
     admin.show_command,
     admin.requeue_command,
     admin.purge_command,
+    admin.audit_command,
     consume.consume,
     server.server,
     demo.demo,

@@ -1,14 +1,14 @@
-"""Repairing a group and looking at one message: `pgq requeue`, `pgq purge`, `pgq show`.
+"""Repairing and auditing a group: `pgq requeue`, `pgq purge`, `pgq show`, `pgq audit`.
 
 `pgq requeue GROUP (--id ID ... | --all [--class C]) --reason TEXT` turns dead
 rows back to ready and `pgq purge GROUP --dead [--older-than D] --reason TEXT`
 deletes them; each writes one `audit` row in the same statement as its change.
-`pgq show GROUP ID` prints one message in full. `pgq.store.requeue()`,
-`pgq.store.purge()` and `pgq.monitor.message()` are the plain functions behind
-them, for scripts.
+`pgq show GROUP ID` prints one message in full, `pgq audit GROUP` the audit
+trail. `pgq.store.requeue()` / `pgq.store.purge()` and `pgq.monitor.message()`
+/ `pgq.monitor.audit()` are the plain functions behind them, for scripts.
 
 Human output escapes every character that is not printable (`render.visible`):
-payloads, error texts and names come from users and handlers.
+payloads, error texts, reasons and names come from users and handlers.
 """
 
 from __future__ import annotations
@@ -21,14 +21,16 @@ import click
 
 from pgq import monitor
 from pgq.cli.base import State, emit, json_option, pass_state
-from pgq.cli.render import one_line, visible
+from pgq.cli.render import one_line, table, visible
 from pgq.errors import UsageError
 from pgq.schema import ERROR_CLASSES
 from pgq.settings import parse_duration
 from pgq.store import purge, requeue
-from pgq.store.admin import MAX_MESSAGE_ID, MAX_OLDER_THAN
+from pgq.store.admin import MAX_AUDIT_LIMIT, MAX_MESSAGE_ID, MAX_OLDER_THAN
 
 __all__ = [
+    "audit_command",
+    "audit_lines",
     "message_lines",
     "parse_age",
     "parse_ids",
@@ -243,3 +245,48 @@ def show_command(state: State, group: str, message_id: str, as_json: bool) -> No
     """
     info = monitor.message(state.engine, group, parse_message_id(message_id))
     emit(info, as_json, message_lines)
+
+
+_SHOWN_IDS = 5
+
+
+def audit_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """`pgq audit GROUP`: one row per audit entry, newest first."""
+    if not rows:
+        return ["no audit rows"]
+
+    def ids(listed: list[int], count: int) -> str:
+        shown = ",".join(str(i) for i in listed[:_SHOWN_IDS])
+        more = count - min(len(listed), _SHOWN_IDS)
+        return f"{shown} (+{more})" if more > 0 else shown or "-"
+
+    return table(
+        ("ID", "AT", "ACTION", "COUNT", "ACTOR", "MESSAGE_IDS", "REASON"),
+        (
+            (
+                r["id"],
+                r["at"],
+                r["action"],
+                r["count"],
+                r["actor"],
+                ids(r["message_ids"], r["count"]),
+                one_line(r["reason"]),
+            )
+            for r in rows
+        ),
+    )
+
+
+@click.command("audit")
+@click.argument("group")
+@json_option("a JSON list")
+@click.option(
+    "--limit",
+    default=monitor.DEFAULT_AUDIT_LIMIT,
+    show_default=True,
+    type=click.IntRange(0, MAX_AUDIT_LIMIT),
+)
+@pass_state
+def audit_command(state: State, group: str, as_json: bool, limit: int) -> None:
+    """The audit trail of GROUP, newest first: who requeued or purged what, when, why."""
+    emit(monitor.audit(state.engine, group, limit), as_json, audit_lines)

@@ -1,11 +1,11 @@
-"""Statements behind the admin commands: `pgq check` and `show` read,
+"""Statements behind the admin commands: `pgq check`, `show` and `audit` read,
 `pgq requeue` and `purge` write.
 
 `pgq check` reads the group's breaker row and its dead rows split by what they
 mean for alerting (see `pgq.monitor.check`); `pgq requeue` turns dead rows back
 to ready and `pgq purge` deletes them, each writing its audit row in the same
 statement (one statement: the change and its audit row cannot come apart);
-`pgq show` reads one message with its row.
+`pgq show` reads one message with its row, `pgq audit` the audit trail.
 
 Dead rows always carry an error class (every path to `dead` sets one), so the
 dead-row statements also say `error_class IS NOT NULL`: that lets them use the
@@ -274,7 +274,7 @@ def purge_dead_older() -> Executable:
     return _purge(older=True)
 
 
-# --- pgq show --------------------------------------------------------------------------
+# --- pgq show and pgq audit -----------------------------------------------------
 
 
 @cache
@@ -339,6 +339,25 @@ def message_in_group() -> Select[Any]:
             .outerjoin(purge, true())
         )
         .where(m.c.id == bindparam("mid", type_=BigInteger))
+    )
+
+
+@cache
+def audit_trail() -> Select[Any]:
+    """The newest `:limit` audit rows of group `:gid`, newest first."""
+    return (
+        select(
+            audit.c.id,
+            audit.c.at,
+            audit.c.action,
+            audit.c.count,
+            audit.c.message_ids,
+            audit.c.reason,
+            audit.c.actor,
+        )
+        .where(audit.c.group_id == bindparam("gid", type_=Integer))
+        .order_by(audit.c.id.desc())
+        .limit(bindparam("limit", type_=Integer))
     )
 
 

@@ -1,8 +1,8 @@
 """Audited administration of dead rows, and the reads beside it.
 
 `requeue` and `purge` (behind `pgq requeue` and `pgq purge`) change dead rows
-and write their audit row in one statement; `message_row` reads one message
-with its delivery row (`pgq show`).
+and write their audit row in one statement; `message_row` and `audit_rows` read
+one message with its delivery row (`pgq show`) and the audit trail (`pgq audit`).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ MAX_MESSAGE_ID = 2**63 - 1
 
 MAX_OLDER_THAN = 100 * 365 * 86400.0
 """The longest `older_than` a purge takes (a hundred years, in seconds)."""
+
+MAX_AUDIT_LIMIT = 2**31 - 1
+"""The most audit rows one read returns."""
 
 _SHOWN_INVALID = 20
 
@@ -248,6 +251,15 @@ def message_row(engine: Engine, group: str, message_id: int) -> Row[Any] | None:
     with snapshot(engine) as conn:
         gid = group_info(conn, group).id
         return conn.execute(q.message_in_group(), {"gid": gid, "mid": mid}).one_or_none()
+
+
+def audit_rows(engine: Engine, group: str, limit: int) -> list[Row[Any]]:
+    """The newest `limit` audit rows of `group`, newest first; raises `UnknownGroup`."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= MAX_AUDIT_LIMIT:
+        raise UsageError(f"invalid limit {limit!r}: use 0 to {MAX_AUDIT_LIMIT}")
+    with snapshot(engine) as conn:
+        gid = group_info(conn, group).id
+        return list(conn.execute(q.audit_trail(), {"gid": gid, "limit": limit}))
 
 
 def database_now(engine: Engine) -> Any:

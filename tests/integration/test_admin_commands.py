@@ -1,4 +1,4 @@
-"""`pgq show`, `pgq purge` and `pgq requeue --all --class` (issue 11).
+"""`pgq show`, `pgq purge`, `pgq audit` and `pgq requeue --all --class` (issue 11).
 
 Each command runs in-process through the CLI and through the plain function
 behind it. Hostile values (ids, durations, limits, reasons, classes) must give
@@ -505,3 +505,42 @@ def test_requeue_class_library_checks(orders):
     with pytest.raises(UsageError, match="invalid message id"):
         requeue(orders, GROUP, [2**63], reason="x")
     assert audit_rows(orders) == []
+
+
+# --- pgq audit -----------------------------------------------------------------------
+
+
+def test_audit_lists_requeues_and_purges_newest_first(orders, pgq_env):
+    ids = publish(orders, 4)
+    kill(orders, ids, "message")
+    requeue(orders, GROUP, [ids[0]], reason="first", actor="ops@a")
+    purge(orders, GROUP, reason=HOSTILE, actor="ops@b")
+    trail = monitor.audit(orders, GROUP)
+    assert [(a["action"], a["count"], a["message_ids"], a["actor"]) for a in trail] == [
+        ("purge", 3, ids[1:], "ops@b"),
+        ("requeue", 1, [ids[0]], "ops@a"),
+    ]
+    assert trail[0]["reason"] == " ".join(HOSTILE.split())
+    assert trail[0]["id"] > trail[1]["id"] and trail[0]["at"].endswith("+00:00")
+    assert json.loads(ok(invoke(pgq_env, "audit", GROUP, "--json"))) == trail
+    assert json.loads(ok(invoke(pgq_env, "audit", GROUP, "--json", "--limit", "1"))) == trail[:1]
+    assert monitor.audit(orders, GROUP, 0) == []
+    lines = printable_lines(ok(invoke(pgq_env, "audit", GROUP)))
+    assert len(lines) == 3 and lines[0].split() == [
+        "ID", "AT", "ACTION", "COUNT", "ACTOR", "MESSAGE_IDS", "REASON"
+    ]  # fmt: skip
+    assert "\\x1b]0;owned\\x07" in lines[1] and "\\u202e" in lines[1]
+    assert f"{ids[1]},{ids[2]},{ids[3]}" in lines[1]
+
+
+def test_audit_of_a_quiet_group_and_hostile_limits(orders, pgq_env):
+    assert ok(invoke(pgq_env, "audit", GROUP)) == "no audit rows\n"
+    assert ok(invoke(pgq_env, "audit", GROUP, "--json")) == "[]\n"
+    for limit in ("-1", "1e20", str(2**63), str(2**31), "abc", ""):
+        result = invoke(pgq_env, "audit", GROUP, "--limit", limit)
+        assert_usage_error(result.exit_code, result.stderr, contains="--limit")
+    result = invoke(pgq_env, "audit", "nosuch")
+    assert_usage_error(result.exit_code, result.stderr, contains="unknown group 'nosuch'")
+    for limit in (-1, 2**31, True):
+        with pytest.raises(UsageError, match="invalid limit"):
+            monitor.audit(orders, GROUP, limit)
