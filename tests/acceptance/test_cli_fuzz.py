@@ -117,6 +117,20 @@ commands = st.one_of(
     st.builds(lambda g, n: ("dead", g, "--limit", n), groups, numbers),
     st.builds(lambda g, n: ("breaker", g, "--limit", n), groups, numbers),
     st.tuples(st.sampled_from(["status", "members", "check"]), groups),
+    st.builds(lambda g, i: ("show", g, i), groups, numbers),
+    st.builds(
+        lambda g, d, r: ("purge", g, "--dead", "--older-than", d, "--reason", r),
+        groups,
+        numbers,
+        odd_text,
+    ),
+    st.builds(lambda g, n: ("audit", g, "--limit", n), groups, numbers),
+    st.builds(
+        lambda g, c, r: ("requeue", g, "--all", "--class", c, "--reason", r),
+        groups,
+        st.one_of(st.sampled_from(["systemic", "message", "permanent", "lease"]), odd_text),
+        odd_text,
+    ),
     st.builds(lambda s: ("--schema", s, "status", "billing"), odd_text),
     st.builds(_consume, groups, numbers, numbers, numbers, odd_text),
 )

