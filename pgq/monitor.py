@@ -249,24 +249,24 @@ def check_verdict(
     """The `pgq check` state word and line for a group's numbers (pure; see `check`).
 
     `dead` has the keys of `pgq.sql.admin.check_dead` (`dead`, `message`,
-    `permanent`, `lease`, `systemic`, `capped`, `pending`); `reconciling` is
-    true while a reconciliation is owed.
+    `permanent`, `lease`, `systemic`, `capped`, `pending`, `pending_ready`);
+    `reconciling` is true while a reconciliation is owed.
     """
     pending = dead["pending"]  # zero unless a reconciliation is coming or owed
     real = dead["dead"] - pending
     notes = []
     if state == "OPEN":
         notes.append(f"breaker open, {pending} dead rows pending reconciliation")
-    elif reconciling and pending:
-        notes.append(f"reconciliation in progress, {pending} dead rows pending reconciliation")
+    elif reconciling:
+        owed = pending + dead["pending_ready"]
+        notes.append(f"reconciliation in progress, {owed} rows to refund")
     if real > 0:
         line = f"CRITICAL: {real} dead rows ({_dead_parts(dead, pending)})"
         return "CRITICAL", "; ".join([line, *notes])
     if notes:
         return "WARNING", "WARNING: " + "; ".join(notes)
-    extra = ", reconciliation finishing" if reconciling else ""
     return "OK", (
-        f"OK: breaker {state} (epoch {epoch}){extra}, lag {lag},"
+        f"OK: breaker {state} (epoch {epoch}), lag {lag},"
         f" committed {committed if committed is not None else 'none'}, no dead rows"
     )
 
@@ -277,10 +277,11 @@ def check(engine: Engine, group: str, max_refunds: int = DEFAULT_MAX_REFUNDS) ->
     While the group breaker is OPEN its dead systemic rows that the coming
     reconciliation will refund (fewer than `max_refunds` refunds, failed since
     the previous close) are not dead letters: WARNING `breaker open, N dead
-    rows pending reconciliation`, also when N is 0. The same rows while a
-    reconciliation is still owed after a close: WARNING `reconciliation in
-    progress, ...`. Every other dead row is a real dead letter: CRITICAL, which
-    wins over WARNING; rows past the refund cap say `refund cap reached`, and
+    rows pending reconciliation`, also when N is 0. While a reconciliation is
+    still owed after a close: WARNING `reconciliation in progress, N rows to
+    refund` (those dead rows and the ready ones it owes), also when N is 0.
+    Every other dead row is a real dead letter: CRITICAL, which wins over
+    WARNING; rows past the refund cap say `refund cap reached`, and
     systemic rows no reconciliation covers (a lone bad node's, an old
     outage's) count as real too. Otherwise OK with lag, frontier and breaker.
     `CHECK_EXIT_CODES` maps the word to the Nagios exit code.

@@ -109,7 +109,8 @@ def check_dead() -> Executable:
     (NULL bounds: none are pending); `capped` systemic rows that reached the
     refund cap (they stay dead); the rest by error class: `message`,
     `permanent`, `lease`, `systemic` (each count leaves out the pending and
-    capped rows, so the parts add up to `dead`).
+    capped rows, so the parts add up to `dead`); `pending_ready` the ready rows
+    the same reconciliation owes a refund (not dead letters at all).
     """
     pending = _pending()
     capped = and_(d.c.error_class == t.SYSTEMIC, d.c.refunds >= _max_refunds())
@@ -122,6 +123,10 @@ def check_dead() -> Executable:
         func.count().filter(and_(d.c.error_class == t.SYSTEMIC, real)).label("systemic"),
         func.count().filter(capped).label("capped"),
         func.count().filter(pending).label("pending"),
+        select(func.count())
+        .where(d.c.group_id == bindparam("gid", type_=Integer), d.c.state == t.READY, _pending())
+        .scalar_subquery()
+        .label("pending_ready"),
     ).where(
         d.c.group_id == bindparam("gid", type_=Integer),
         d.c.state == t.DEAD,

@@ -141,11 +141,13 @@ def test_closed_group_dead_systemic_rows_are_real_unless_a_reconciliation_is_owe
     word, line = monitor.check(billing, GROUP)
     assert word == "CRITICAL"
     assert line == "CRITICAL: 2 dead rows (2 systemic, not owed a refund)"
-    # closed at epoch 2 after an outage opened at 1: refunds owed for epochs [0, 2)
+    # closed at epoch 2 after an outage opened at 1: refunds owed for epochs [0, 2),
+    # to the dead rows and to a ready one waiting for its systemic retry
+    set_rows(billing, ids[2:], error_class="systemic", refundable_attempts=1, error_epoch=1)
     set_breaker(billing, state="CLOSED", epoch=2, reconcile_epoch=2, reconcile_from_epoch=0)
     assert monitor.check(billing, GROUP) == (
         "WARNING",
-        "WARNING: reconciliation in progress, 2 dead rows pending reconciliation",
+        "WARNING: reconciliation in progress, 3 rows to refund",
     )
     # the reconciliation finished
     set_breaker(billing, reconcile_epoch=None, reconcile_from_epoch=None)
