@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_HISTORY_LIMIT",
     "DEFAULT_MAX_REFUNDS",
     "DEFAULT_MEMBER_TTL",
+    "RECENTLY_DEPARTED",
     "audit",
     "breaker_info",
     "check",
@@ -47,6 +48,10 @@ __all__ = [
 
 DEFAULT_MEMBER_TTL: float = float(DEFAULTS["breaker_member_ttl"])
 """Seconds since its last heartbeat during which a member counts as live."""
+
+RECENTLY_DEPARTED = 900.0
+"""Seconds after it left or died during which `members` and `status` still list a
+member by default (15 minutes); `departed_within=None` lists every one."""
 
 DEFAULT_HISTORY_LIMIT = 20
 """Breaker transitions `breaker_info` returns by default."""
@@ -144,29 +149,51 @@ def _group(rows: inspect.GroupRows) -> dict[str, Any]:
     }
 
 
-def status(engine: Engine, group: str, *, member_ttl: float = DEFAULT_MEMBER_TTL) -> dict[str, Any]:
+def status(
+    engine: Engine,
+    group: str,
+    *,
+    member_ttl: float = DEFAULT_MEMBER_TTL,
+    departed_within: float | None = RECENTLY_DEPARTED,
+) -> dict[str, Any]:
     """The `pgq status GROUP --json` object of `group`; raises `UnknownGroup`.
 
     Keys: group, topic, committed, counts {ready, leased, done, dead,
     dead_systemic}, totals {reclaimed, released, refunded}, lag, breaker
-    {state, since, prober, epoch}, members, and frontier_held_by (the backend
-    with the oldest open transaction in the cluster, or None).
+    {state, since, prober, epoch}, members (as `members` lists them), and
+    frontier_held_by (the backend with the oldest open transaction in the
+    cluster, or None).
     """
-    return _group(inspect.group_status(engine, group, member_ttl))
+    return _group(inspect.group_status(engine, group, member_ttl, departed_within))
 
 
-def status_all(engine: Engine, *, member_ttl: float = DEFAULT_MEMBER_TTL) -> dict[str, Any]:
+def status_all(
+    engine: Engine,
+    *,
+    member_ttl: float = DEFAULT_MEMBER_TTL,
+    departed_within: float | None = RECENTLY_DEPARTED,
+) -> dict[str, Any]:
     """`{"groups": [...]}`: the `status` object of every group, by name."""
-    return {"groups": [_group(rows) for rows in inspect.all_group_status(engine, member_ttl)]}
+    groups = inspect.all_group_status(engine, member_ttl, departed_within)
+    return {"groups": [_group(rows) for rows in groups]}
 
 
-def members(engine: Engine, group: str, ttl: float = DEFAULT_MEMBER_TTL) -> list[dict[str, Any]]:
-    """Members of `group`, live and stale, by name; raises `UnknownGroup`.
+def members(
+    engine: Engine,
+    group: str,
+    ttl: float = DEFAULT_MEMBER_TTL,
+    *,
+    departed_within: float | None = RECENTLY_DEPARTED,
+) -> list[dict[str, Any]]:
+    """Members of `group` by name; raises `UnknownGroup`.
 
     Each is `{"name", "live", "local_breaker", "last_seen", ...}`; `live` means a
-    heartbeat within `ttl` seconds (database clock) and not left.
+    heartbeat within `ttl` seconds (database clock), not left, and its session
+    still there. The live members and those that departed (left, or last heard
+    from) within `departed_within` seconds; every member row when it is None
+    (departed members are deleted after `breaker.member_retention`).
     """
-    return [_member(m) for m in inspect.member_rows(engine, group, ttl)]
+    return [_member(m) for m in inspect.member_rows(engine, group, ttl, departed_within)]
 
 
 def breaker_info(

@@ -21,9 +21,10 @@ only; parsing strings is the loaders' job.
 
 Every value given is checked on its own, even when a higher layer overrides it, and
 the final combination is checked as a whole (`breaker_min_calls <= breaker_window`,
-each `*_max` at least its base, `breaker_member_ttl > breaker_heartbeat`). A bad
-value, an unknown key or an unreadable file raises `ConfigError` with one line that
-names the key, the value and where it came from, e.g.
+each `*_max` at least its base, `breaker_member_ttl > breaker_heartbeat`,
+`breaker_member_retention >= breaker_member_ttl`). A bad value, an unknown key or an
+unreadable file raises `ConfigError` with one line that names the key, the value and
+where it came from, e.g.
 ``invalid value for breaker.quorum in /etc/pgq.toml: 1.5 (must be in (0, 1])``.
 
 Typo protection: every `PGQ_*` environment variable must be a setting or one of
@@ -141,6 +142,8 @@ class Settings:
     """Members heartbeat their local state this often."""
     breaker_member_ttl: float = _setting(10.0, _DURATION)
     """A member is live while its last heartbeat is younger than this."""
+    breaker_member_retention: float = _setting(86400.0, _DURATION)
+    """Members that left or died are forgotten (their rows deleted) this long after (1 day)."""
     breaker_quorum: float = _setting(0.5, _FRACTION)
     """Share of live members whose local trips open the group."""
     breaker_min_members: int = _setting(2, _COUNT)
@@ -320,6 +323,7 @@ _RELATIONS = (
     ("breaker_probe_interval_max", ">=", "breaker_probe_interval"),
     ("breaker_min_calls", "<=", "breaker_window"),
     ("breaker_member_ttl", ">", "breaker_heartbeat"),
+    ("breaker_member_retention", ">=", "breaker_member_ttl"),
 )
 _FLIP = {">=": "<=", "<=": ">=", ">": "<", "<": ">"}
 _HOLDS = {

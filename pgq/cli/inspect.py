@@ -1,7 +1,12 @@
 """Looking at a group: `pgq status`, `pgq members`, `pgq breaker`, `pgq dead`, `pgq check`.
 
 Each command reads through one `pgq.monitor` function and prints its result
-with `--json` as is, or as the lines `pgq.cli.render` makes of the same data.
+with `--json` as is, or as the lines `pgq.cli.render` makes of the same data
+(their times relative to the database's clock, read for them).
+
+`status` and `members` list the live members and those that departed in the
+last `monitor.RECENTLY_DEPARTED` seconds; `--all` lists every member row
+(departed ones are forgotten after `breaker.member_retention`).
 
 `pgq check GROUP` prints one line on stdout starting with its state word and
 exits with the Nagios code: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN. Every error
@@ -11,6 +16,9 @@ apply here, a monitoring system must always get an answer it understands.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import click
 
@@ -25,32 +33,53 @@ from pgq.cli.render import (
     visible,
 )
 from pgq.errors import PgqError
-from pgq.store import first_line
+from pgq.store import database_now, first_line
 
 __all__ = ["breaker", "check", "dead", "members", "status"]
+
+
+def _now_of(state: State, render: Callable[..., list[str]]) -> Callable[[Any], list[str]]:
+    """`render` with `now=` the database's clock, read only when it is called."""
+    return lambda data: render(data, now=database_now(state.engine))
+
+
+_all_option = click.option(
+    "--all",
+    "every",
+    is_flag=True,
+    help="every member, also those that departed more than"
+    f" {monitor.RECENTLY_DEPARTED / 60:g} minutes ago",
+)
 
 
 @click.command()
 @click.argument("group", required=False)
 @json_option("the contract JSON object")
+@_all_option
 @pass_state
-def status(state: State, group: str | None, as_json: bool) -> None:
+def status(state: State, group: str | None, as_json: bool, every: bool) -> None:
     """Frontier, counts, lag, breaker and members of GROUP (or of every group)."""
     ttl = state.settings.breaker_member_ttl
+    recent = None if every else monitor.RECENTLY_DEPARTED
     if group is None:
-        emit(monitor.status_all(state.engine, member_ttl=ttl), as_json, status_all_lines)
+        data = monitor.status_all(state.engine, member_ttl=ttl, departed_within=recent)
+        emit(data, as_json, status_all_lines)
     else:
-        emit(monitor.status(state.engine, group, member_ttl=ttl), as_json, status_lines)
+        data = monitor.status(state.engine, group, member_ttl=ttl, departed_within=recent)
+        emit(data, as_json, _now_of(state, status_lines))
 
 
 @click.command()
 @click.argument("group")
 @json_option("a JSON list")
+@_all_option
 @pass_state
-def members(state: State, group: str, as_json: bool) -> None:
-    """Live and stale members of GROUP with their local breaker states."""
+def members(state: State, group: str, as_json: bool, every: bool) -> None:
+    """Live and recently departed members of GROUP with their local breaker states."""
     ttl = state.settings.breaker_member_ttl
-    emit(monitor.members(state.engine, group, ttl), as_json, members_lines)
+    recent = None if every else monitor.RECENTLY_DEPARTED
+    data = monitor.members(state.engine, group, ttl, departed_within=recent)
+    emit(data, as_json, _now_of(state, members_lines))
 
 
 @click.command()
@@ -63,7 +92,7 @@ def members(state: State, group: str, as_json: bool) -> None:
 def breaker(state: State, group: str, as_json: bool, limit: int) -> None:
     """GROUP's global breaker: state, since when, prober and history."""
     info = monitor.breaker_info(state.engine, group, history_limit=limit)
-    emit(info, as_json, breaker_lines)
+    emit(info, as_json, _now_of(state, breaker_lines))
 
 
 @click.command()
@@ -73,7 +102,7 @@ def breaker(state: State, group: str, as_json: bool, limit: int) -> None:
 @pass_state
 def dead(state: State, group: str, as_json: bool, limit: int) -> None:
     """Dead rows of GROUP with their error class, error and counts."""
-    emit(monitor.dead(state.engine, group, limit), as_json, dead_lines)
+    emit(monitor.dead(state.engine, group, limit), as_json, _now_of(state, dead_lines))
 
 
 @click.command(cls=CheckCommand)

@@ -3,7 +3,9 @@
 Each renderer takes exactly the data the command prints with `--json` (the
 `pgq.monitor` dicts, DESIGN §7) and returns lines; it neither reads the
 database nor prints. `pgq.cli.base.emit` chooses between the JSON document and
-these lines, so both always come from the same data.
+these lines, so both always come from the same data. Times show relative to
+`now`, the database's clock the command passes ("3 s ago", "in 5 s"), with the
+absolute time where there is room; an open breaker stands out as `OPEN !`.
 
 Text in that data came from users, handlers and other clients (member names,
 error texts, names an older version accepted): every line a renderer returns
@@ -14,12 +16,15 @@ needs nothing: `json.dumps` escapes every control and non-ASCII character.
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ParamSpec
 
 __all__ = [
+    "ago",
     "breaker_lines",
+    "breaker_word",
     "dead_lines",
     "members_lines",
     "one_line",
@@ -71,6 +76,33 @@ def _cell(value: object) -> str:
     return visible(str(value))  # escaped before the widths are measured
 
 
+def ago(ts: str | None, now: dt.datetime) -> str | None:
+    """The ISO 8601 time `ts` relative to `now`: `"3 s ago"`, `"5 min ago"`, `"2 h ago"`,
+    `"3 d ago"`, or `"in 4 s"` for a time to come (whole units, rounded down)."""
+    if ts is None:
+        return None
+    seconds = (now - dt.datetime.fromisoformat(ts)).total_seconds()
+    span = abs(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if span >= size:
+            text = f"{int(span // size)} {unit}"
+            break
+    else:
+        text = f"{int(span)} s"
+    return f"in {text}" if seconds < 0 else f"{text} ago"
+
+
+def _at(ts: str | None, now: dt.datetime) -> str:
+    """`ts` relative to `now`, then as it is: `"3 s ago (2026-11-29T20:00:00+00:00)"`."""
+    return "-" if ts is None else f"{ago(ts, now)} ({ts})"
+
+
+def breaker_word(state: str) -> str:
+    """A breaker state as the human output shows it: an open one (group `OPEN` or
+    local `open`) as `OPEN !`, so it stands out without colour; others as they are."""
+    return "OPEN !" if state.upper() == "OPEN" else state
+
+
 def one_line(text: str | None, width: int = 80) -> str | None:
     """`text` with its whitespace collapsed and the rest made `visible`, cut to
     `width` characters with an ellipsis."""
@@ -81,14 +113,20 @@ def one_line(text: str | None, width: int = 80) -> str | None:
 
 
 @_visible_lines
-def members_lines(members: list[dict[str, Any]]) -> list[str]:
-    """`pgq members`: one row per member."""
+def members_lines(members: list[dict[str, Any]], *, now: dt.datetime) -> list[str]:
+    """`pgq members`: one row per member, its times relative to `now`."""
     if not members:
         return ["no members"]
     return table(
-        ("NAME", "LIVE", "LOCAL_BREAKER", "LAST_SEEN", "LEFT_AT"),
+        ("NAME", "LIVE", "LOCAL_BREAKER", "LAST_SEEN", "LEFT"),
         (
-            (m["name"], m["live"], m["local_breaker"], m["last_seen"], m.get("left_at"))
+            (
+                m["name"],
+                m["live"],
+                breaker_word(m["local_breaker"]),
+                ago(m["last_seen"], now),
+                ago(m.get("left_at"), now),
+            )
             for m in members
         ),
     )
@@ -105,11 +143,11 @@ def _holder_line(holder: dict[str, Any] | None) -> list[str]:
 
 
 @_visible_lines
-def status_lines(s: dict[str, Any]) -> list[str]:
+def status_lines(s: dict[str, Any], *, now: dt.datetime) -> list[str]:
     """`pgq status GROUP`: frontier, lag, counts, totals, breaker and members."""
     c, tot, b = s["counts"], s["totals"], s["breaker"]
     live = sum(1 for m in s["members"] if m["live"])
-    breaker = f"{b['state']} since {b['since']}, epoch {b['epoch']}"
+    breaker = f"{breaker_word(b['state'])} since {_at(b['since'], now)}, epoch {b['epoch']}"
     if b["prober"]:
         breaker += f", prober {b['prober']}"
     lines = [
@@ -123,7 +161,8 @@ def status_lines(s: dict[str, Any]) -> list[str]:
         f"  breaker    {breaker}",
         f"  members    {live} live of {len(s['members'])}",
     ]
-    lines += ["    " + line for line in members_lines(s["members"])] if s["members"] else []
+    if s["members"]:
+        lines += ["    " + line for line in members_lines(s["members"], now=now)]
     return lines + ["  " + line for line in _holder_line(s.get("frontier_held_by"))]
 
 
@@ -156,7 +195,7 @@ def status_all_lines(data: dict[str, Any]) -> list[str]:
                 g["counts"]["leased"],
                 g["counts"]["done"],
                 g["counts"]["dead"],
-                g["breaker"]["state"],
+                breaker_word(g["breaker"]["state"]),
                 sum(1 for m in g["members"] if m["live"]),
             )
             for g in groups
@@ -166,32 +205,35 @@ def status_all_lines(data: dict[str, Any]) -> list[str]:
 
 
 @_visible_lines
-def breaker_lines(b: dict[str, Any]) -> list[str]:
+def breaker_lines(b: dict[str, Any], *, now: dt.datetime) -> list[str]:
     """`pgq breaker GROUP`: state, since, epoch, prober, then the history table."""
     lines = [
-        f"state   {b['state']}",
-        f"since   {b['since']}",
+        f"state   {breaker_word(b['state'])}",
+        f"since   {_at(b['since'], now)}",
         f"epoch   {b['epoch']}",
         f"prober  {_cell(b['prober'])}",
     ]
     if b.get("next_probe_at"):
-        lines.append(f"next probe  {b['next_probe_at']}")
+        lines.append(f"next probe  {_at(b['next_probe_at'], now)}")
     if not b["history"]:
         return [*lines, "history: none"]
     history = table(
         ("EPOCH", "STATE", "AT", "REFUNDED"),
-        ((h["epoch"], h["state"], h["at"], h["refunded"]) for h in b["history"]),
+        (
+            (h["epoch"], breaker_word(h["state"]), ago(h["at"], now), h["refunded"])
+            for h in b["history"]
+        ),
     )
     return [*lines, "history:", *("  " + line for line in history)]
 
 
 @_visible_lines
-def dead_lines(rows: list[dict[str, Any]]) -> list[str]:
+def dead_lines(rows: list[dict[str, Any]], *, now: dt.datetime) -> list[str]:
     """`pgq dead GROUP`: one row per dead message, its error cut to one line."""
     if not rows:
         return ["no dead rows"]
     return table(
-        ("MESSAGE_ID", "CLASS", "ATTEMPTS", "RECLAIMS", "REFUNDS", "UPDATED_AT", "ERROR"),
+        ("MESSAGE_ID", "CLASS", "ATTEMPTS", "RECLAIMS", "REFUNDS", "UPDATED", "ERROR"),
         (
             (
                 r["message_id"],
@@ -199,7 +241,7 @@ def dead_lines(rows: list[dict[str, Any]]) -> list[str]:
                 r["attempts"],
                 r["reclaims"],
                 r["refunds"],
-                r["updated_at"],
+                ago(r["updated_at"], now),
                 one_line(r["error"]),
             )
             for r in rows

@@ -1,12 +1,12 @@
 """The maintenance thread: periodic tasks on the member's own connection.
 
 Lease extension, the expired-lease sweep, the frontier advance, statistics,
-pruning, retention and the handler-timeout watchdog run as small task objects
-on a scheduler (psycopg_pool's maintenance style): a task that fails logs and
-the loop goes on. A task the database refuses for good (a missing privilege, the
-schema gone, the login refused) stops the member instead: it could never do its
-job, and `Consumer.run()` raises that error (`refused`) once the member is down.
-The heartbeat has its own thread (`heartbeat.py`).
+pruning, retention, forgetting departed members and the handler-timeout
+watchdog run as small task objects on a scheduler (psycopg_pool's maintenance
+style): a task that fails logs and the loop goes on. A task the database
+refuses for good (a missing privilege, the schema gone, the login refused) stops
+the member instead: it could never do its job, and `Consumer.run()` raises that
+error (`refused`) once the member is down. The heartbeat has its own thread (`heartbeat.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pgq.consumer.member import Member, Role
 from pgq.errors import BadDsn, DatabaseUnavailable, PermissionDenied, PgqError, SchemaMissing
 from pgq.store import RoleConnection
 from pgq.store.group import EXPIRE_BATCH
+from pgq.store.members import forget_departed
 from pgq.store.privileges import require_consumer_privileges
 
 logger = logging.getLogger("pgq.consumer")
@@ -162,3 +163,11 @@ class Maintenance(Role):
             deleted = self.conn.run(m.store.expire_messages, m.topic_id, m.settings.retention)
             if deleted < EXPIRE_BATCH:
                 return
+
+    def forget_members(self) -> None:
+        """Delete the group's members that left or died longer than
+        `breaker.member_retention` ago (every `--until-empty` run leaves one behind)."""
+        m = self.member
+        gone = self.conn.run(forget_departed, m.store.gid, m.settings.breaker_member_retention)
+        if gone:
+            logger.info("forgot departed members count=%d", len(gone))

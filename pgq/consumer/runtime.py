@@ -57,6 +57,7 @@ class Runtime:
         self.maintenance.add("statistics", 10.0, self.maintenance.refresh_statistics)
         self.maintenance.add("prune", 60.0, self.maintenance.prune)
         self.maintenance.add("retention", 60.0, self.maintenance.expire_messages)
+        self.maintenance.add("forget-members", 60.0, self.maintenance.forget_members)
         self.maintenance.add(
             "handler-timeouts", min(0.5, s.handler_timeout / 4), self.workers.check_timeouts
         )

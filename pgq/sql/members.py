@@ -1,4 +1,5 @@
-"""Statements for group membership: join, heartbeat, leave, and the drain check."""
+"""Statements for group membership: join, heartbeat, leave, forgetting departed members,
+and the drain check."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from sqlalchemy import (
     bindparam,
     cast,
     column,
+    delete,
     func,
     literal,
     literal_column,
@@ -215,6 +217,41 @@ def leave() -> Executable:
         update(mb)
         .where(_this_process())
         .values(left_at=func.now(), local_breaker=literal_column("'closed'"))
+    )
+
+
+def departed_at() -> ColumnElement[Any]:
+    """When a member row's member departed: when it left, else its last heartbeat (a
+    member that died or lost its session; for a live member, its last heartbeat)."""
+    return func.coalesce(mb.c.left_at, mb.c.last_seen)
+
+
+@cache
+def forget_departed() -> Executable:
+    """Delete the members of `:gid` that departed longer than `:after` (an interval)
+    ago; returns their names.
+
+    Never a member whose session still holds its lock (a live member, or a paused
+    process that may resume), nor one whose name still holds a leased row (a lease
+    is fenced by its owner's name until it is reclaimed). The departed rows are
+    few (a cron run leaves one), so one statement deletes them all. A join under
+    the same name at the same moment either updates the row first (then it has
+    not departed when the delete re-checks it) or waits and inserts it afresh.
+    """
+    holds_lease = (
+        select(literal(1))
+        .where(d.c.group_id == mb.c.group_id, d.c.state == t.LEASED, d.c.lease_owner == mb.c.name)
+        .exists()
+    )
+    return (
+        delete(mb)
+        .where(
+            mb.c.group_id == bindparam("gid"),
+            departed_at() < func.now() - bindparam("after", type_=Interval),
+            ~session_present(),
+            ~holds_lease,
+        )
+        .returning(mb.c.name)
     )
 
 

@@ -33,7 +33,7 @@ CONSUMER_TABLES: dict[str, tuple[str, ...]] = {
     "message": ("SELECT", "UPDATE", "DELETE"),  # retention locks and deletes expired ones
     "consumer_group": ("SELECT", "UPDATE"),  # the frontier and the running totals
     "delivery": ("SELECT", "UPDATE", "DELETE"),  # claims, outcomes, sweep, refunds, pruning
-    "member": ("SELECT", "INSERT", "UPDATE"),  # join, heartbeat, leave
+    "member": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # join, heartbeat, leave, forget
     "breaker": ("SELECT", "UPDATE"),  # open on quorum, probe, close
     "breaker_history": ("SELECT", "INSERT", "UPDATE"),  # transitions and refund counts
 }

@@ -19,6 +19,7 @@ from sqlalchemy import (
     cast,
     column,
     func,
+    or_,
     select,
     table,
 )
@@ -26,7 +27,7 @@ from sqlalchemy.sql import ColumnElement, Select
 
 from pgq import schema as t
 from pgq.sql.breaker import prober_of
-from pgq.sql.members import member_live
+from pgq.sql.members import departed_at, member_live
 
 
 def _count_columns() -> list[ColumnElement[Any]]:
@@ -91,12 +92,15 @@ def all_group_rows() -> Select[Any]:
     return _groups().order_by(t.consumer_group.c.name)
 
 
-def _members() -> Select[Any]:
+def _seconds(name: str) -> ColumnElement[Any]:
+    # make_interval(years, months, weeks, days, hours, mins, secs): `secs => :name`
+    return func.make_interval(0, 0, 0, 0, 0, 0, bindparam(name, type_=Float))
+
+
+def _members(every: bool) -> Select[Any]:
     m = t.member
-    # make_interval(years, months, weeks, days, hours, mins, secs): `secs => :ttl`
-    ttl = func.make_interval(0, 0, 0, 0, 0, 0, bindparam("ttl", type_=Float))
-    live = member_live(ttl)
-    return select(
+    live = member_live(_seconds("ttl"))
+    stmt = select(
         m.c.group_id,
         m.c.name,
         case((live, True), else_=False).label("live"),
@@ -107,20 +111,32 @@ def _members() -> Select[Any]:
         m.c.started_at,
         m.c.left_at,
     )
+    if every:
+        return stmt
+    return stmt.where(or_(live, departed_at() > func.now() - _seconds("recent")))
 
 
 @cache
-def group_members() -> Select[Any]:
-    """Members of group `:group_id` by name; `live` when heard from within `:ttl` seconds."""
+def group_members(every: bool = False) -> Select[Any]:
+    """Members of group `:group_id` by name; `live` when heard from within `:ttl` seconds.
+
+    Only the live ones and those that departed within the last `:recent` seconds,
+    unless `every`: then every member row (departed ones are forgotten after
+    `breaker.member_retention`, see `pgq.sql.members.forget_departed`).
+    """
     m = t.member
-    return _members().where(m.c.group_id == bindparam("group_id", type_=Integer)).order_by(m.c.name)
+    return (
+        _members(every)
+        .where(m.c.group_id == bindparam("group_id", type_=Integer))
+        .order_by(m.c.name)
+    )
 
 
 @cache
-def all_members() -> Select[Any]:
+def all_members(every: bool = False) -> Select[Any]:
     """`group_members` for every group, by group and name."""
     m = t.member
-    return _members().order_by(m.c.group_id, m.c.name)
+    return _members(every).order_by(m.c.group_id, m.c.name)
 
 
 @cache

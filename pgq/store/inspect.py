@@ -45,33 +45,45 @@ def _holder(conn: Connection) -> Row[Any] | None:
     return conn.execute(q.frontier_holder()).one_or_none()
 
 
-def group_status(engine: Engine, group: str, member_ttl: float) -> GroupRows:
-    """Everything `status` shows of `group`; raises `UnknownGroup`."""
+def _members(
+    conn: Connection, ttl: float, recent: float | None, gid: int | None = None
+) -> list[Row[Any]]:
+    """The members of group `gid` (of every group when None): the live ones and those
+    that departed within `recent` seconds, or every one when `recent` is None."""
+    every = recent is None
+    stmt = q.all_members(every) if gid is None else q.group_members(every)
+    params: dict[str, Any] = {"ttl": ttl, "recent": recent, "group_id": gid}
+    return list(conn.execute(stmt, params))
+
+
+def group_status(engine: Engine, group: str, member_ttl: float, recent: float | None) -> GroupRows:
+    """Everything `status` shows of `group`; raises `UnknownGroup`. Members as
+    `member_rows` reads them."""
     with snapshot(engine) as conn:
         gid = group_info(conn, group).id
         row = conn.execute(q.group_row(), {"group_id": gid}).one()
         counts = conn.execute(q.group_counts(), {"group_id": gid}).one()._asdict()
-        members = list(conn.execute(q.group_members(), {"group_id": gid, "ttl": member_ttl}))
+        members = _members(conn, member_ttl, recent, gid)
         return GroupRows(row, counts, members, _holder(conn))
 
 
-def all_group_status(engine: Engine, member_ttl: float) -> list[GroupRows]:
+def all_group_status(engine: Engine, member_ttl: float, recent: float | None) -> list[GroupRows]:
     """`group_status` of every group, by name, from one snapshot."""
     with snapshot(engine) as conn:
         rows = conn.execute(q.all_group_rows()).all()
         counts = {r.group_id: r._asdict() for r in conn.execute(q.all_group_counts())}
         members: dict[int, list[Row[Any]]] = {}
-        for m in conn.execute(q.all_members(), {"ttl": member_ttl}):
+        for m in _members(conn, member_ttl, recent):
             members.setdefault(m.group_id, []).append(m)
         holder = _holder(conn)
     return [GroupRows(r, counts.get(r.id), members.get(r.id, []), holder) for r in rows]
 
 
-def member_rows(engine: Engine, group: str, ttl: float) -> list[Row[Any]]:
-    """The members of `group`, live and stale, by name; raises `UnknownGroup`."""
+def member_rows(engine: Engine, group: str, ttl: float, recent: float | None) -> list[Row[Any]]:
+    """The members of `group` by name, live ones and those that departed within
+    `recent` seconds (every one when `recent` is None); raises `UnknownGroup`."""
     with snapshot(engine) as conn:
-        gid = group_info(conn, group).id
-        return list(conn.execute(q.group_members(), {"group_id": gid, "ttl": ttl}))
+        return _members(conn, ttl, recent, group_info(conn, group).id)
 
 
 def breaker_rows(engine: Engine, group: str, history_limit: int) -> tuple[Row[Any], list[Row[Any]]]:

@@ -9,6 +9,7 @@ cannot forge a row. `--json` stays exact JSON that gives the very same text back
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 
 import pytest
@@ -157,7 +158,8 @@ def test_every_human_line_is_printable():
         "last_seen": None,
         "left_at": None,
     }
-    assert all(line.isprintable() for line in members_lines([member]))
+    now = dt.datetime.now(dt.timezone.utc)
+    assert all(line.isprintable() for line in members_lines([member], now=now))
     row = {
         "message_id": 1,
         "error_class": "message\x07",
@@ -167,5 +169,5 @@ def test_every_human_line_is_printable():
         "updated_at": None,
         "error": ERROR,
     }
-    assert all(line.isprintable() for line in dead_lines([row]))
+    assert all(line.isprintable() for line in dead_lines([row], now=now))
     assert one_line(ERROR) == "\\x1b]0;owned\\x07 FORGED error line"

@@ -130,7 +130,8 @@ def test_members_liveness_uses_the_database_clock_and_ttl(billing):
     session = pgq.store.member_lock(billing, gid, "a")
     assert session.acquire()
     try:
-        rows = st.members(billing, "billing", ttl=10.0)
+        # "b" died in 2000: listed only when every member is asked for
+        rows = st.members(billing, "billing", ttl=10.0, departed_within=None)
         assert [(r["name"], r["live"], r["local_breaker"]) for r in rows] == [
             ("a", True, "closed"),
             ("b", False, "open"),
@@ -138,7 +139,9 @@ def test_members_liveness_uses_the_database_clock_and_ttl(billing):
             ("d", False, "closed"),
         ]
         parse(rows[0]["last_seen"])
-        assert st.status(billing, "billing", member_ttl=10.0)["members"] == rows
+        every = st.status(billing, "billing", member_ttl=10.0, departed_within=None)
+        assert every["members"] == rows
+        assert [r["name"] for r in st.members(billing, "billing", ttl=10.0)] == ["a", "c", "d"]
     finally:
         session.release()
     assert not st.members(billing, "billing", ttl=10.0)[0]["live"]

@@ -66,6 +66,7 @@ def test_defaults() -> None:
         "breaker_open_for_max": 300.0,
         "breaker_heartbeat": 2.0,
         "breaker_member_ttl": 10.0,
+        "breaker_member_retention": 86400.0,
         "breaker_quorum": 0.5,
         "breaker_min_members": 2,
         "breaker_probe_interval": 5.0,
