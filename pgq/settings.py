@@ -77,7 +77,15 @@ ENV_PREFIX = "PGQ_"
 """Prefix of the environment variables that set settings."""
 
 RESERVED_ENV_VARS: frozenset[str] = frozenset(
-    {"PGQ_DSN", "PGQ_HOME", "PGQ_SCHEMA", "PGQ_CONFIG", "PGQ_TEST_DSN", "PGQ_LOG_LEVEL"}
+    {
+        "PGQ_DSN",
+        "PGQ_HOME",
+        "PGQ_SCHEMA",
+        "PGQ_CONFIG",
+        "PGQ_TEST_DSN",
+        "PGQ_LOG_LEVEL",
+        "PGQ_LOG_FORMAT",
+    }
 )
 """`PGQ_*` variables that are not settings; `load_settings` leaves them alone."""
 

@@ -10,8 +10,9 @@
   for every error of its own, usage errors included (Nagios needs an answer);
 - `State` / `pass_state`: what the global options decided, with the engine and
   the settings made on first use;
-- `cli_dsn`: a DSN with a short connect timeout; `configure_logging`: the only
-  place that installs logging handlers; `json_option` and `emit`: `--json` and
+- `cli_dsn`: a DSN with a short connect timeout; `configure_logging` (from
+  `pgq.cli.logs`): the only place that installs logging handlers, text or JSON
+  lines (`--log-format`); `json_option` and `emit`: `--json` and
   human output from the same data (the human lines come from `pgq.cli.render`).
 
 Adding a command: write it in the module of its family with `@click.command()`,
@@ -23,8 +24,6 @@ take `state: State` through `@pass_state`, call the library through
 from __future__ import annotations
 
 import json
-import logging
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any, TypeVar
@@ -32,6 +31,7 @@ from typing import IO, Any, TypeVar
 import click
 from sqlalchemy import Engine
 
+from pgq.cli.logs import FORMATS, configure_logging
 from pgq.errors import DatabaseUnavailable, EmbeddedServerError, PgqError, UsageError
 from pgq.monitor import CHECK_EXIT_CODES
 from pgq.settings import Settings, load_settings
@@ -62,9 +62,6 @@ CONNECT_TIMEOUT = 5
 
 EXIT_USAGE = 2
 """Bad usage, bad configuration, or a database that cannot be used (DESIGN §7)."""
-
-_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-_LOG_DATEFMT = "%Y-%m-%dT%H:%M:%S"
 
 
 # --- errors -------------------------------------------------------------------
@@ -205,40 +202,6 @@ def cli_dsn(dsn: str | None) -> str | None:
     return with_connect_timeout(dsn, CONNECT_TIMEOUT)
 
 
-# --- logging ------------------------------------------------------------------
-
-
-class _StderrHandler(logging.StreamHandler[IO[str]]):
-    """Writes to whatever `sys.stderr` is at the time of each record."""
-
-    def __init__(self) -> None:
-        super().__init__(sys.stderr)
-
-    @property
-    def stream(self) -> IO[str]:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: IO[str]) -> None:
-        pass
-
-
-def configure_logging(verbose: int, level: str | None = None) -> None:
-    """Send the `pgq` loggers to stderr: INFO by default, DEBUG with `-v`.
-
-    Other libraries stay at the root logger's WARNING. Calling it again (tests
-    invoke the CLI many times in one process) replaces the handler it installed.
-    """
-    logger = logging.getLogger("pgq")
-    for handler in list(logger.handlers):
-        if isinstance(handler, _StderrHandler):
-            logger.removeHandler(handler)
-    handler = _StderrHandler()
-    handler.setFormatter(logging.Formatter(_LOG_FORMAT, _LOG_DATEFMT))
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG if verbose else (level or "INFO").upper())
-
-
 # --- output -------------------------------------------------------------------
 
 
@@ -282,6 +245,13 @@ def emit(data: Any, as_json: bool, human: Callable[[Any], Iterable[str]]) -> Non
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
     help="level of pgq's log lines on stderr [env PGQ_LOG_LEVEL; INFO]",
 )
+@click.option(
+    "--log-format",
+    envvar="PGQ_LOG_FORMAT",
+    type=click.Choice(FORMATS, case_sensitive=False),
+    default="text",
+    help="log lines as key=value text or JSON objects [env PGQ_LOG_FORMAT; text]",
+)
 @click.version_option(package_name="pgq-breaker", prog_name="pgq")
 @click.pass_context
 def cli(
@@ -291,9 +261,10 @@ def cli(
     schema: str | None,
     verbose: int,
     log_level: str | None,
+    log_format: str,
 ) -> None:
     """pgq: a PostgreSQL message queue whose consumer groups share a circuit breaker."""
-    configure_logging(verbose, log_level)
+    configure_logging(verbose, log_level, log_format.lower())
     state = State(dsn=dsn or None, config=config or None, schema=schema or None)
     ctx.obj = state
     ctx.call_on_close(state.close)

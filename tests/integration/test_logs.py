@@ -1,0 +1,73 @@
+"""The CLI's log lines: one event a line, key=value text or JSON, never a secret."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import pytest
+from helpers import invoke
+
+from pgq.cli.logs import JsonFormatter, TextFormatter, configure_logging, fields, scrub
+
+
+def record(msg: str, *args: object, exc: bool = False) -> logging.LogRecord:
+    exc_info = None
+    if exc:
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            exc_info = sys.exc_info()
+    return logging.LogRecord("pgq.consumer", logging.WARNING, __file__, 1, msg, args, exc_info)
+
+
+def test_fields_pair_each_key_with_its_argument():
+    r = record("done %d%% group=%s n=%d took=%.2f s %s tail=%r", 50, "g", 3, 1.5, "x", None)
+    assert fields(r) == {"group": "g", "n": 3, "took": 1.5, "tail": None}
+    assert fields(record("no fields")) == {}
+    assert fields(record("too few group=%s member=%s", "g")) == {"group": "g"}
+
+
+def test_json_lines_carry_time_level_logger_message_and_fields():
+    line = JsonFormatter().format(record("member joined group=%s member=%s", "g", "m\nx"))
+    assert "\n" not in line
+    event = json.loads(line)
+    assert event["level"] == "WARNING" and event["logger"] == "pgq.consumer"
+    assert event["message"] == "member joined group=g member=m\nx"
+    assert (event["group"], event["member"]) == ("g", "m\nx")
+    assert event["time"].endswith("+00:00")
+    failed = json.loads(JsonFormatter().format(record("task failed task=%s", "t", exc=True)))
+    assert "ValueError: boom" in failed["exception"] and failed["task"] == "t"
+
+
+def test_a_text_line_cannot_be_forged():
+    forged = "m\n2026-12-01T00:00:00 ERROR pgq: FORGED\x1b]0;x\x07"
+    line = TextFormatter().format(record("thread crashed member=%s", forged))
+    assert "\n" not in line and line.isprintable()
+    assert line.endswith("member=m\\n2026-12-01T00:00:00 ERROR pgq: FORGED\\x1b]0;x\\x07")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("cannot connect dsn=host=db password=hunter2 user=app", "password=*** user=app"),
+        ("password = 'a b\\'c' dbname=x", "password = *** dbname=x"),
+        ("at postgresql://app:hunter2@db:5432/x failed", "postgresql://app:***@db:5432/x"),
+    ],
+)
+def test_secrets_never_reach_a_log_line(text, expected):
+    assert expected in scrub(text) and "hunter2" not in scrub(text)
+    line = JsonFormatter().format(record("connect failed error=%s", text))
+    assert "hunter2" not in line and "a b" not in line
+
+
+def test_the_cli_writes_json_lines_with_log_format_json(pgq_env, capsys):
+    result = invoke(pgq_env, "--log-format", "json", "init")
+    assert result.exit_code == 0, result.output
+    events = [json.loads(line) for line in result.stderr.splitlines()]
+    applied = [e for e in events if e["message"].startswith("migration applied")]
+    assert applied and applied[0]["version"] == 1 and applied[0]["schema"] == pgq_env["PGQ_SCHEMA"]
+    again = invoke(pgq_env, "status", PGQ_LOG_FORMAT="json")  # the variable is not a setting
+    assert again.exit_code == 0, again.stderr
+    configure_logging(0)
