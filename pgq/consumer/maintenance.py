@@ -17,19 +17,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pgq.consumer.member import Member, Role
-from pgq.errors import BadDsn, DatabaseUnavailable, PermissionDenied, PgqError, SchemaMissing
+from pgq.consumer.member import REFUSALS, Member, Role
+from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.store import RoleConnection
 from pgq.store.group import EXPIRE_BATCH
 from pgq.store.members import forget_departed
-from pgq.store.privileges import require_consumer_privileges
 
 logger = logging.getLogger("pgq.consumer")
 
 EXPIRE_BUDGET = 2.0
 """Seconds one retention pass may spend deleting (it runs every minute)."""
 
-REFUSALS = (PermissionDenied, SchemaMissing, BadDsn)
 """Errors no retry can fix: the member stops."""
 
 
@@ -54,8 +52,6 @@ class Maintenance(Role):
         self._wake = threading.Event()
         self.conn = RoleConnection(member.engine, "maintenance", self.finish)
         self.tasks: list[Task] = []
-        self.refused: PgqError | None = None
-        """The first refusal that stopped the member (see `REFUSALS`)."""
 
     def add(self, name: str, interval: float, run: Callable[[], object]) -> None:
         """Schedule `run` every `interval` seconds (first run at once)."""
@@ -109,17 +105,7 @@ class Maintenance(Role):
         if task.failing:
             return
         task.failing = True
-        if isinstance(exc, PermissionDenied):
-            try:  # PostgreSQL names the table only: name the privileges too
-                self.conn.run(require_consumer_privileges)
-            except PermissionDenied as named:
-                exc = named
-            except PgqError:
-                pass
-        logger.error("maintenance task refused task=%s error=%s; stopping", task.name, exc)
-        if self.refused is None:
-            self.refused = exc
-        self.member.request_stop("signal")
+        self.member.refuse(f"maintenance:{task.name}", exc)
 
     # -- the standard tasks ---------------------------------------------------
 

@@ -14,7 +14,8 @@ from pgq.consumer.pool import ClaimPool
 from pgq.errors import BadDsn, PermissionDenied, PgqError, SchemaMissing
 from pgq.records import Claimed, Lease, Outcome, StopReason
 from pgq.settings import Settings
-from pgq.store import GroupStore
+from pgq.store import GroupStore, run_once
+from pgq.store.privileges import require_consumer_privileges
 
 logger = logging.getLogger("pgq.consumer")
 
@@ -88,7 +89,16 @@ class Member:
 
     def refuse(self, thread: str, exc: PgqError) -> None:
         """The database refused this member's work for good (see `REFUSALS`): stop
-        the member, keep the first refusal for `run()` to raise, log one line."""
+        the member, keep the first refusal for `run()` to raise, log one line.
+        PostgreSQL names only the table a privilege is missing on: a refusal for
+        a privilege is replaced by the check that names every missing one."""
+        if isinstance(exc, PermissionDenied):
+            try:
+                run_once(self.engine, require_consumer_privileges)
+            except PermissionDenied as named:
+                exc = named
+            except PgqError:
+                pass
         with self.lock:
             if self.refused is None:
                 self.refused = exc

@@ -72,7 +72,7 @@ class Runtime:
     def refused(self) -> PgqError | None:
         """Why the member stopped when the database refused its work for good (a
         missing privilege, ...): `Consumer.run()` raises it."""
-        return self.member.refused or self.maintenance.refused or self._final_refusal
+        return self.member.refused or self._final_refusal
 
     def start(self) -> None:
         self.acker.start()
