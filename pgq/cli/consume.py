@@ -48,7 +48,7 @@ def load_handler(path: str) -> Callable[..., Any]:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:
+    except BaseException as exc:  # a module that calls sys.exit() or raises KeyboardInterrupt
         raise HandlerImportError(
             f"cannot import handler module {module_name!r}: {type(exc).__name__}: {exc}"
         ) from None

@@ -271,6 +271,23 @@ def test_a_handler_that_does_not_import_is_one_line_and_exit_2(orders, pgq_env, 
     assert rows(orders, "billing") == {}
 
 
+@pytest.mark.parametrize(
+    "body",
+    ["import sys\nsys.exit(3)\n", "raise KeyboardInterrupt\n", "raise SystemExit('bye')\n"],
+)
+def test_a_handler_module_that_exits_on_import_is_one_line_and_exit_2(
+    orders, pgq_env, tmp_path, body
+):
+    """Failed on 16dc802: exit 3 (the module's own code), 1 with 'Aborted!', 1 with 'bye'."""
+    (tmp_path / "hostile_handler.py").write_text(body)
+    env = consumer_env(pgq_env, tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    proc = spawn_pgq(env, "consume", "billing", "--handler", "hostile_handler:f")
+    code, _, stderr = finish(proc, 30)
+    assert "cannot import handler module 'hostile_handler'" in one_error_line(code, stderr)
+    assert rows(orders, "billing") == {}
+
+
 def test_an_unknown_group_is_one_line_and_exit_2(orders, pgq_env, tmp_path):
     env = consumer_env(pgq_env, tmp_path)
     proc = spawn_pgq(env, "consume", "no-such-group", "--handler", "handlers:record")
