@@ -259,9 +259,16 @@ def parse_duration(text: str) -> float:
 
 # --- checks -------------------------------------------------------------------
 
-_MAXIMA = {"workers": 1000, "batch_size": 10_000, "prefetch": 100_000}
+_MAXIMA = {"workers": 1000, "batch_size": 10_000, "prefetch": 100_000, "breaker_window": 100_000}
 """Upper bounds of the counts that size threads and buffers (a typo must not start
 a million threads)."""
+
+_MAX_COUNT = 2**31 - 1
+"""Every other count is compared with an integer column in SQL."""
+
+MAX_DURATION = 10 * 365 * 86400.0
+"""The longest duration a setting takes (ten years): beyond it a timer or a
+database interval overflows, and no wait in pgq needs longer."""
 
 _DURATION_HELP = "a number of seconds or a duration such as '90s', '5m', '1h30m'"
 
@@ -277,8 +284,8 @@ def _check_value(name: str, value: object, origin: _Origin) -> Any:
         minimum = 0 if kind == _COUNT0 else 1
         if value < minimum:
             raise _invalid(origin, f"must be >= {minimum}")
-        maximum = _MAXIMA.get(name)
-        if maximum is not None and value > maximum:
+        maximum = _MAXIMA.get(name, _MAX_COUNT)
+        if value > maximum:
             raise _invalid(origin, f"must be <= {maximum}")
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -291,8 +298,8 @@ def _check_value(name: str, value: object, origin: _Origin) -> Any:
             raise _invalid(origin, "must be in (0, 1]")
     elif not number > 0.0:
         raise _invalid(origin, "must be > 0")
-    elif not math.isfinite(number):
-        raise _invalid(origin, "must be finite")
+    elif not number <= MAX_DURATION:  # also NaN and infinity
+        raise _invalid(origin, f"must be at most {MAX_DURATION:.0f} seconds (10 years)")
     return number
 
 

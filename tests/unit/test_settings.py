@@ -280,8 +280,12 @@ INVALID = [
             "breaker_probe_interval",
             "breaker_probe_interval_max",
         )
-        for bad in (0, -1.5, float("inf"), "soon")
+        for bad in (0, -1.5, float("inf"), "soon", 1e300, 10 * 365 * 86400 + 1)
     ],
+    # compared with integer columns in SQL (a bigger value would be a database error)
+    *[(name, 2**31) for name in ("max_attempts", "max_reclaims", "breaker_max_refunds")],
+    ("breaker_min_members", 2**40),
+    ("breaker_window", 100_001),
     *[
         (name, bad)
         for name in ("breaker_failure_rate", "breaker_quorum")
