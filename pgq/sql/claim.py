@@ -84,7 +84,16 @@ def claim(limit: int) -> Executable:
 
 
 def claimed_columns() -> dict[str, ColumnElement[Any]]:
-    """What a claim returns, by name, in order: the store maps rows from this list."""
+    """What a claim returns, by name, in order: the store maps rows from this list.
+
+    `epoch` is the group breaker's epoch as the claim saw it (one lookup per
+    statement): an attempt is filed under it, never under an older epoch the
+    member's gate may still believe in (an outage that opened and closed between
+    two of its heartbeats), so a failure after a close cannot fall into the
+    window that close refunds.
+    """
+    br = t.breaker
+    epoch = select(br.c.epoch).where(br.c.group_id == bindparam("gid")).scalar_subquery()
     return {
         "message_id": d.c.message_id,
         "lease_seq": d.c.lease_seq,
@@ -95,6 +104,7 @@ def claimed_columns() -> dict[str, ColumnElement[Any]]:
         "payload": cast(m.c.payload, Text),
         "headers": cast(m.c.headers, Text),
         "created_at": m.c.created_at,
+        "epoch": epoch,
     }
 
 

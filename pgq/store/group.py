@@ -44,11 +44,12 @@ EXPIRE_BATCH = 5000
 
 _COL = {name: i for i, name in enumerate(claim_sql.CLAIMED)}
 _ID, _SEQ, _ATTEMPTS = _COL["message_id"], _COL["lease_seq"], _COL["attempts"]
-_KEY, _PAYLOAD, _HEADERS, _CREATED = (
+_KEY, _PAYLOAD, _HEADERS, _CREATED, _EPOCH = (
     _COL["key"],
     _COL["payload"],
     _COL["headers"],
     _COL["created_at"],
+    _COL["epoch"],
 )
 
 
@@ -162,7 +163,11 @@ class GroupStore:
         return written, self.close(conn, epoch, refunded)
 
     def _claimed(self, rows: Iterable[Any], epoch: int, probe: bool = False) -> list[Claimed]:
+        """The claimed rows as `Claimed`, filed under the later of `epoch` (what the
+        caller's gate knows) and the epoch the claim saw in the database."""
         rows = list(rows)
+        if rows:
+            epoch = max(epoch, rows[0][_EPOCH] or 0)
         group, topic, loads = self.group, self.topic, json.loads
         try:
             return [

@@ -145,3 +145,29 @@ def test_a_row_snoozed_after_a_systemic_failure_keeps_its_time(orders, schema):
     assert after.available_at == wake
     assert after.available_at > after.updated_at + dt.timedelta(minutes=59)
     assert run_once(engine, s.claim, 10, 2) == []
+
+
+def test_a_failure_after_the_close_is_not_refunded_by_that_close(orders, schema):
+    """Found by the stateful breaker model; failed on 4d06b63: a member whose gate still
+    believed in the epoch before a short outage claimed a row the reconciliation had
+    refunded, it failed as systemic and was filed under the old epoch, inside the
+    close's window: the same reconciliation refunded it a second time."""
+    engine = orders
+    pgq.publish_many(engine, "orders", [{"n": i} for i in range(3)])
+    info = group_info(engine, "billing")
+    a, c = (GroupStore(info.id, "billing", "orders", name, 600.0, 3) for name in "ac")
+    rows = run_once(engine, a.claim, 4, 0)
+    run_once(engine, a.record, [Outcome(r, "retry", 0.0, "systemic", "down") for r in rows])
+    set_breaker(engine, schema, "OPEN", 1)
+    close = run_once(engine, a.close, 1)
+    assert close == 2
+    assert run_once(engine, a.reconcile_batch, close, 0, MAX_REFUNDS, 1) == 1
+    [again] = run_once(engine, c.claim, 1, 0)  # c's gate has not heard of the outage
+    assert again.epoch == 2  # filed under the epoch the claim saw, not c's
+    failed = Outcome(again, "retry", 0.0, "systemic", "failed after the close")
+    run_once(engine, c.record, [failed])
+    while run_once(engine, a.reconcile_batch, close, 0, MAX_REFUNDS, 1):
+        pass
+    assert run_once(engine, a.reconcile_done, close, 0, MAX_REFUNDS)
+    after = row(engine, schema, again.id)
+    assert (after.refunds, after.refundable_attempts, after.error_epoch) == (1, 1, 2)
