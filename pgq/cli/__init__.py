@@ -7,6 +7,7 @@
 - `setup`: `init`, `topic create`, `subscribe`, `publish` (and its JSON input);
 - `inspect`: `status`, `members`, `breaker`, `dead`, `check`;
 - `admin`: `requeue`, `purge`, `show`, `audit`;
+- `grant`: `grant` (least-privilege roles);
 - `consume`: `consume`, its exit codes and signal handlers;
 - `server`: `server status`, `server stop`;
 - `demo`: `demo`, whose narration it prints.
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pgq.cli import admin, consume, demo, inspect, server, setup
+from pgq.cli import admin, consume, demo, grant, inspect, server, setup
 from pgq.cli.base import cli
 
 __all__ = ["cli", "main"]
@@ -39,6 +40,7 @@ for _command in (
     admin.requeue_command,
     admin.purge_command,
     admin.audit_command,
+    grant.grant_command,
     consume.consume,
     server.server,
     demo.demo,

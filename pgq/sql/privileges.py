@@ -1,23 +1,40 @@
-"""The privileges a consumer's role needs on the schema, and the statement that
-finds the ones it lacks.
+"""The privileges each job needs on the schema, the statements that grant them,
+and the statement that finds the ones a role lacks.
 
-A member checks them when it starts: a role that could claim rows but could never
-open the group's breaker, run retention or leave the group would otherwise fail
-later, one task at a time, or not at all where nobody looks. Row locks count as
-updates: PostgreSQL lets a role lock rows (`FOR UPDATE`, `FOR KEY SHARE`) only
-with UPDATE on the table, so retention needs UPDATE on `topic` and `message`.
+Three jobs, one shape: `<JOB>_TABLES` (table name to privileges) and
+`<JOB>_SEQUENCES` (sequence name to privileges), besides USAGE on the schema.
+Each list is exact: every entry was found needed by removing it and watching
+the job fail (`tests/integration/test_consumer_privileges.py`,
+`tests/integration/test_roles.py`), and a role with exactly the list does the
+whole job. Why the jobs are cut this way: `docs/decisions/0018-roles.md`.
+
+Row locks count as updates: PostgreSQL lets a role lock rows (`FOR UPDATE`,
+`FOR KEY SHARE`) only with UPDATE on the table, so a producer needs UPDATE on
+`topic` (publishing locks the topic row) and retention needs UPDATE on `topic`
+and `message`. `RETURNING` reads what it returns, so an insert that returns
+ids needs SELECT. Identity columns (`message.id`, `audit.id`) draw from their
+sequences without USAGE on them; `lease_token` is a plain sequence.
+
+A member checks the consumer's list when it starts: a role that could claim
+rows but could never open the group's breaker, run retention or leave the
+group would otherwise fail later, one task at a time, or not at all where
+nobody looks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import cache
 
+from psycopg import sql as psql
 from sqlalchemy import (
     Text,
     and_,
     bindparam,
     case,
     column,
+    exists,
     func,
     literal,
     literal_column,
@@ -26,7 +43,7 @@ from sqlalchemy import (
     union_all,
     values,
 )
-from sqlalchemy.sql import Executable
+from sqlalchemy.sql import ColumnElement, Executable
 
 CONSUMER_TABLES: dict[str, tuple[str, ...]] = {
     "topic": ("SELECT", "UPDATE"),  # UPDATE: retention locks the topic row (FOR KEY SHARE)
@@ -44,6 +61,100 @@ CONSUMER_SEQUENCES: dict[str, tuple[str, ...]] = {
 }
 """Sequence privileges a consumer member needs."""
 
+PRODUCER_TABLES: dict[str, tuple[str, ...]] = {
+    "topic": ("SELECT", "UPDATE"),  # UPDATE: publishing locks the topic row (FOR KEY SHARE)
+    "message": ("SELECT", "INSERT"),  # SELECT: the insert returns the new ids
+    "consumer_group": ("SELECT",),  # the groups of the topic
+    "delivery": ("INSERT",),  # one ready row per group
+}
+"""Table privileges a producer needs (besides USAGE on the schema): `publish`,
+`publish_many` (inside the caller's transaction too, with `delay`), `pgq publish`."""
+
+PRODUCER_SEQUENCES: dict[str, tuple[str, ...]] = {}
+"""Sequence privileges a producer needs: none (message ids are an identity column)."""
+
+ADMIN_TABLES: dict[str, tuple[str, ...]] = {
+    "topic": ("SELECT",),  # groups by name, with their topic
+    "message": ("SELECT",),  # show
+    "consumer_group": ("SELECT",),  # groups, frontier, totals
+    "delivery": ("SELECT", "UPDATE", "DELETE"),  # requeue (locks, updates), purge, counts
+    "member": ("SELECT",),  # status, members, breaker (who probes)
+    "breaker": ("SELECT",),  # status, breaker, check, purge (what a reconciliation owes)
+    "breaker_history": ("SELECT",),  # breaker
+    "audit": ("SELECT", "INSERT"),  # requeue and purge write it (and return its id)
+}
+"""Table privileges an administrator needs (besides USAGE on the schema): audited
+`requeue` and `purge`, and every read-only command (`status`, `members`,
+`breaker`, `dead`, `check`, `show`, `audit`)."""
+
+ADMIN_SEQUENCES: dict[str, tuple[str, ...]] = {}
+"""Sequence privileges an administrator needs: none (audit ids are an identity column)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What one job needs on the schema, besides USAGE on it."""
+
+    name: str
+    tables: Mapping[str, tuple[str, ...]]
+    sequences: Mapping[str, tuple[str, ...]]
+
+    def objects(self) -> list[tuple[str, str]]:
+        """Every (object, privilege) the job needs, `("schema", "USAGE")` first."""
+        return [
+            ("schema", "USAGE"),
+            *(
+                (name, privilege)
+                for objects in (self.tables, self.sequences)
+                for name, privileges in objects.items()
+                for privilege in privileges
+            ),
+        ]
+
+
+JOBS: dict[str, Job] = {
+    "producer": Job("producer", PRODUCER_TABLES, PRODUCER_SEQUENCES),
+    "consumer": Job("consumer", CONSUMER_TABLES, CONSUMER_SEQUENCES),
+    "admin": Job("admin", ADMIN_TABLES, ADMIN_SEQUENCES),
+}
+"""The jobs `pgq grant` knows, by the flag that names them."""
+
+
+# --- granting -----------------------------------------------------------------
+
+
+def grant_statements(job: str, schema: str, role: str) -> list[psql.Composed]:
+    """The GRANT statements that give `role` what `job` needs on `schema`: USAGE on
+    the schema, then one statement per table and per sequence. Names are quoted
+    identifiers (`psycopg.sql.Identifier`), never text pasted into SQL. GRANT is
+    idempotent: running them again changes nothing."""
+    need = JOBS[job]
+    who = psql.Identifier(role)
+    statements = [psql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(psql.Identifier(schema), who)]
+    for kind, objects in (("TABLE", need.tables), ("SEQUENCE", need.sequences)):
+        for name, privileges in objects.items():
+            statements.append(
+                psql.SQL("GRANT {} ON {} {} TO {}").format(
+                    psql.SQL(", ").join(psql.SQL(p) for p in privileges),
+                    psql.SQL(kind),
+                    psql.Identifier(schema, name),
+                    who,
+                )
+            )
+    return statements
+
+
+_roles = table("pg_roles", column("rolname"), schema="pg_catalog")
+
+
+@cache
+def role_exists() -> Executable:
+    """Is there a role named `:role` (its exact name, not an identifier to parse)?"""
+    return select(exists().where(_roles.c.rolname == bindparam("role", type_=Text)))
+
+
+# --- checking -----------------------------------------------------------------
+
 _namespaces = table("pg_namespace", column("oid"), column("nspname"), schema="pg_catalog")
 _classes = table(
     "pg_class",
@@ -55,27 +166,32 @@ _classes = table(
 )
 
 
+def _has(check: str, of_role: bool, *args: ColumnElement[object]) -> ColumnElement[bool]:
+    """`has_<check>_privilege(...)` for the current role, or for role `:role`."""
+    fn = getattr(func, f"has_{check}_privilege")
+    if of_role:
+        return fn(bindparam("role", type_=Text), *args)
+    return fn(*args)
+
+
 @cache
-def missing_consumer_privileges() -> Executable:
-    """(object, privilege) for each privilege a consumer needs in schema `:schema`
-    that the current role lacks: `("schema", "USAGE")`, `("message", "SELECT")`, ...
+def missing_privileges(job: str, of_role: bool = False) -> Executable:
+    """(object, privilege) for each privilege `job` needs in schema `:schema` that
+    the current role (with `of_role`: role `:role`) lacks: `("schema", "USAGE")`,
+    `("message", "SELECT")`, ...
 
     Looked up by oid in the catalogs, so it answers without USAGE on the schema;
     objects that do not exist are not reported (a missing schema is another error).
     """
+    need = JOBS[job]
     needs = values(column("relname", Text), column("privilege", Text), name="need").data(
-        [
-            (name, privilege)
-            for objects in (CONSUMER_TABLES, CONSUMER_SEQUENCES)
-            for name, privileges in objects.items()
-            for privilege in privileges
-        ]
+        [(name, privilege) for name, privilege in need.objects() if name != "schema"]
     )
     n, c = _namespaces, _classes
     in_schema = select(n.c.oid).where(n.c.nspname == bindparam("schema")).scalar_subquery()
     granted = case(
-        (c.c.relkind == "S", func.has_sequence_privilege(c.c.oid, needs.c.privilege)),
-        else_=func.has_table_privilege(c.c.oid, needs.c.privilege),
+        (c.c.relkind == "S", _has("sequence", of_role, c.c.oid, needs.c.privilege)),
+        else_=_has("table", of_role, c.c.oid, needs.c.privilege),
     )
     objects = (
         select(needs.c.relname, needs.c.privilege)
@@ -86,7 +202,7 @@ def missing_consumer_privileges() -> Executable:
     )
     schema = select(literal("schema", Text), literal("USAGE", Text)).where(
         n.c.nspname == bindparam("schema"),
-        ~func.has_schema_privilege(n.c.oid, literal("USAGE", Text)),
+        ~_has("schema", of_role, n.c.oid, literal("USAGE", Text)),
     )
     return union_all(schema, objects)
 

@@ -1,43 +1,151 @@
-"""Does the role a consumer runs as have every privilege it needs?
+"""Privileges on the schema: grant a role what its job needs, and check that the
+role running a job has it.
 
-`require_consumer_privileges` asks the catalogs in one statement and raises
-`PermissionDenied` naming every privilege the role lacks, so a member that could
-not do its whole job (open the group's breaker, run retention, leave) refuses to
-start instead of failing later, task by task. Run it through `run_once` or a
-`RoleConnection` (they translate driver errors).
+`grant` runs the GRANT statements of `pgq.sql.privileges` for one job
+(`pgq grant ROLE --producer | --consumer | --admin`) and `grant_sql` renders
+them without running anything (`--print`): both give the same lines, and
+`grant` runs exactly those. `require_consumer_privileges` asks the catalogs in
+one statement and raises `PermissionDenied` naming every privilege a consumer's
+role lacks, so a member that could not do its whole job (open the group's
+breaker, run retention, leave) refuses to start instead of failing later, task
+by task. Run it through `run_once` or a `RoleConnection` (they translate
+driver errors).
 """
 
 from __future__ import annotations
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, Engine
 
-from pgq.errors import PermissionDenied
+from pgq.errors import PermissionDenied, SchemaMissing, UsageError
 from pgq.sql import privileges as privileges_sql
 from pgq.store.engine import schema_of
+from pgq.store.errors import wrap_errors
 
 ORDER = ["USAGE", "SELECT", "INSERT", "UPDATE", "DELETE"]
 """The order privileges are named in."""
 
+JOBS = tuple(privileges_sql.JOBS)
+"""The jobs a role can be granted: `producer`, `consumer`, `admin`."""
 
-def require_consumer_privileges(conn: Connection) -> None:
-    """Raise `PermissionDenied` naming every privilege a consumer needs on the
-    schema that the current role lacks (nothing when it has them all)."""
-    schema = schema_of(conn)
-    rows = conn.execute(privileges_sql.missing_consumer_privileges(), {"schema": schema}).all()
-    if not rows:
-        return
-    role = str(conn.execute(privileges_sql.current_role()).scalar_one())
+MAX_ROLE_BYTES = 63
+"""PostgreSQL's longest name: a longer one would be cut to another role's name."""
+
+RESERVED_ROLES = ("public", "none")
+"""Names PostgreSQL takes as keywords even when quoted (`public` is every role)."""
+
+
+def check_role_name(role: object) -> str:
+    """`role` if it can name a role as a quoted identifier, else `UsageError`: 1 to
+    63 bytes of printable characters (no control characters: one statement per
+    line), not `public` nor `none`, not starting with `pg_` (reserved)."""
+    if not isinstance(role, str) or not role:
+        raise UsageError("invalid role name: give the name of an existing role")
+    if not role.isprintable():  # a lone surrogate is not printable either
+        raise UsageError(f"invalid role name {role!r}: printable characters only")
+    if len(role.encode()) > MAX_ROLE_BYTES:
+        raise UsageError(f"invalid role name {role[:70]!r}: at most {MAX_ROLE_BYTES} bytes")
+    if role in RESERVED_ROLES or role.startswith("pg_"):
+        raise UsageError(f"invalid role name {role!r}: reserved by PostgreSQL")
+    return role
+
+
+def _job(job: str) -> privileges_sql.Job:
+    if job not in privileges_sql.JOBS:
+        raise UsageError(f"unknown job {job!r}: use one of {', '.join(JOBS)}")
+    return privileges_sql.JOBS[job]
+
+
+def grant_sql(schema: str, role: str, job: str) -> list[str]:
+    """The GRANT statements (one line each) that give `role` exactly what
+    `job` needs on `schema`; nothing is run. Raises `UsageError` for a bad role
+    name or job."""
+    _job(job)
+    check_role_name(role)
+    return [s.as_string(None) for s in privileges_sql.grant_statements(job, schema, role)]
+
+
+def grant(engine: Engine, role: str, job: str) -> list[str]:
+    """Grant `role` exactly what `job` needs on the engine's schema, in one
+    transaction; return the statements run (`grant_sql`'s, in order).
+
+    Idempotent (GRANT again changes nothing; privileges the role has besides
+    are left alone). Raises `UsageError` when the role does not exist,
+    `SchemaMissing` before `pgq init`, and `PermissionDenied` when the role
+    running this may not grant all of it (PostgreSQL refuses, or only warns
+    for what it holds without the grant option): then nothing is granted.
+    """
+    schema = schema_of(engine)
+    statements = grant_sql(schema, role, job)
+    owner = f"run pgq grant as the owner of schema {schema} (the role that ran pgq init)"
+    try:
+        grantor, lacking = _grant(engine, schema, role, job, statements)
+    except SchemaMissing:
+        raise SchemaMissing(
+            f"schema {schema} is not installed or not up to date: run `pgq init`"
+        ) from None
+    except PermissionDenied as exc:
+        raise PermissionDenied(f"{exc}; {owner}; nothing granted") from None
+    if lacking:
+        raise PermissionDenied(
+            f"role {grantor!r} cannot grant {_named(schema, job, lacking)} to {role!r};"
+            f" {owner}; nothing granted"
+        )
+    return statements
+
+
+def _grant(
+    engine: Engine, schema: str, role: str, job: str, statements: list[str]
+) -> tuple[str, list[tuple[str, str]]]:
+    """Run `statements`; return the role that ran them and what `role` still lacks
+    (then the transaction is rolled back)."""
+    with wrap_errors(), engine.connect() as conn, conn.begin() as transaction:
+        if not conn.execute(privileges_sql.role_exists(), {"role": role}).scalar_one():
+            raise UsageError(f"role {role!r} does not exist")
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        with driver.cursor() as cur:
+            for statement in statements:
+                cur.execute(statement)  # no parameters: the text is sent as printed
+        params = {"schema": schema, "role": role}
+        found = conn.execute(privileges_sql.missing_privileges(job, of_role=True), params).all()
+        grantor = str(conn.execute(privileges_sql.current_role()).scalar_one())
+        if found:
+            transaction.rollback()
+        return grantor, [(str(kind), str(privilege)) for kind, privilege in found]
+
+
+def _named(schema: str, job: str, rows: list[tuple[str, str]]) -> str:
+    """`SELECT, UPDATE on s.message; USAGE on schema s` for (object, privilege) rows."""
     lacking: dict[str, list[str]] = {}
     for kind, privilege in rows:
         lacking.setdefault(kind, []).append(privilege)
-    order = ["schema", *privileges_sql.CONSUMER_TABLES, *privileges_sql.CONSUMER_SEQUENCES]
-    missing = "; ".join(
+    need = _job(job)
+    order = ["schema", *need.tables, *need.sequences]
+    return "; ".join(
         f"{', '.join(sorted(lacking[kind], key=ORDER.index))} on "
         + (f"schema {schema}" if kind == "schema" else f"{schema}.{kind}")
         for kind in order
         if kind in lacking
     )
+
+
+def require_privileges(conn: Connection, job: str) -> None:
+    """Raise `PermissionDenied` naming every privilege `job` needs on the schema
+    that the current role lacks (nothing when it has them all)."""
+    schema = schema_of(conn)
+    found = conn.execute(privileges_sql.missing_privileges(job), {"schema": schema}).all()
+    if not found:
+        return
+    rows = [(str(kind), str(privilege)) for kind, privilege in found]
+    role = str(conn.execute(privileges_sql.current_role()).scalar_one())
+    article = "an" if job[0] in "aeiou" else "a"
     raise PermissionDenied(
-        f"role {role!r} lacks privileges a consumer needs: {missing}"
-        f" (pgq grant {role!r} --consumer grants them)"
+        f"role {role!r} lacks privileges {article} {job} needs: {_named(schema, job, rows)}"
+        f" (pgq grant {role!r} --{job} grants them)"
     )
+
+
+def require_consumer_privileges(conn: Connection) -> None:
+    """Raise `PermissionDenied` naming every privilege a consumer needs on the
+    schema that the current role lacks (nothing when it has them all)."""
+    require_privileges(conn, "consumer")

@@ -1,0 +1,53 @@
+"""Least-privilege roles: `pgq grant ROLE (--producer | --consumer | --admin) [--print]`.
+
+Grants ROLE exactly what one job needs on the schema (`pgq.store.privileges`,
+whose lists are `pgq.sql.privileges`), in one transaction, and prints the
+statements it ran, one per line. With `--print` it prints the same lines and
+runs nothing (no database is needed: the schema comes from `--schema` or
+`PGQ_SCHEMA`). Run it as the schema's owner, the role that ran `pgq init`.
+"""
+
+from __future__ import annotations
+
+import click
+
+from pgq.cli.base import State, pass_state
+from pgq.errors import UsageError
+from pgq.store import resolve_schema
+from pgq.store.privileges import grant, grant_sql
+
+__all__ = ["grant_command"]
+
+
+@click.command("grant")
+@click.argument("role")
+@click.option("--producer", is_flag=True, help="publish: pgq.publish, publish_many, pgq publish")
+@click.option("--consumer", is_flag=True, help="consume: a member of any group (pgq consume)")
+@click.option(
+    "--admin",
+    is_flag=True,
+    help="requeue, purge, and the read-only status, members, breaker, dead, check, show, audit",
+)
+@click.option(
+    "--print", "print_only", is_flag=True, help="print the GRANT statements and run nothing"
+)
+@pass_state
+def grant_command(
+    state: State, role: str, producer: bool, consumer: bool, admin: bool, print_only: bool
+) -> None:
+    """Grant ROLE exactly what one job needs on the schema (idempotent).
+
+    Give exactly one of `--producer`, `--consumer`, `--admin`. Prints the GRANT
+    statements run, one per line; `--print` prints them and runs nothing. The
+    role must exist (unless `--print`); run this as the schema's owner.
+    """
+    flags = {"producer": producer, "consumer": consumer, "admin": admin}
+    chosen = [job for job, on in flags.items() if on]
+    if len(chosen) != 1:
+        raise UsageError("give exactly one of --producer, --consumer, --admin")
+    if print_only:
+        statements = grant_sql(resolve_schema(state.schema), role, chosen[0])
+    else:
+        statements = grant(state.engine, role, chosen[0])
+    for statement in statements:
+        click.echo(statement)
