@@ -5,19 +5,21 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal
 
 import psycopg
 from sqlalchemy import Connection, Engine
 
-from pgq.errors import InvalidPayload, UnknownGroup, UnknownTopic, UsageError
+from pgq.errors import InvalidPayload, PermissionDenied, UnknownGroup, UnknownTopic, UsageError
 from pgq.names import check_name
 from pgq.records import GroupInfo
 from pgq.sql import publish as q
 from pgq.store.connections import driver_sql
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
+from pgq.store.privileges import require_privileges
 
 Bind = Engine | Connection
 
@@ -125,11 +127,35 @@ def publish_many(
         "delay": dt.timedelta(seconds=delay or 0.0),
         "channel": q.notify_channel(schema_of(target)),
     }
-    with wrap_errors(), _transaction(target) as conn:
-        ids = _locked_publish(conn, params)
+    try:
+        with wrap_errors(), _transaction(target) as conn:
+            ids = _locked_publish(conn, params)
+    except PermissionDenied:
+        if isinstance(target, Engine):  # a caller's transaction is aborted: nothing to ask
+            with wrap_errors(), target.connect() as conn:
+                require_privileges(conn, "producer")  # names every privilege missing
+        raise
     if ids is None:
         raise UnknownTopic(f"unknown topic {topic!r}")
     return list(ids)
+
+
+class _AbortedPipelineNoise(logging.Filter):
+    """Drops psycopg's `error ignored terminating <Pipeline>` warning: when a statement
+    in the publish pipeline fails (a refused lock, say), the pipeline's exit fails in
+    turn and psycopg logs that second error; the first one is what the caller gets.
+    Without this, the CLI's one error line came with a second (Python's last-resort
+    handler prints warnings of loggers nobody configured)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (
+            isinstance(record.msg, str)
+            and record.msg.startswith("error ignored terminating")
+            and "Pipeline" in record.getMessage()
+        )
+
+
+logging.getLogger("psycopg").addFilter(_AbortedPipelineNoise())
 
 
 def _locked_publish(conn: Connection, params: dict[str, Any]) -> list[int] | None:
