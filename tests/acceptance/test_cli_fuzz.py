@@ -126,6 +126,11 @@ commands = st.one_of(
     ),
     st.builds(lambda g, n: ("audit", g, "--limit", n), groups, numbers),
     st.builds(
+        lambda r, job: ("grant", r, job, "--print"),
+        odd_text,
+        st.sampled_from(["--producer", "--consumer", "--admin", "--nope"]),
+    ),
+    st.builds(
         lambda g, c, r: ("requeue", g, "--all", "--class", c, "--reason", r),
         groups,
         st.one_of(st.sampled_from(["systemic", "message", "permanent", "lease"]), odd_text),
