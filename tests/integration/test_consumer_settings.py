@@ -33,6 +33,7 @@ NOT_DEFAULT: dict[str, object] = {
     "breaker_open_for_max": 20.0,
     "breaker_heartbeat": 0.5,
     "breaker_member_ttl": 3.0,
+    "breaker_member_retention": 7200.0,
     "breaker_quorum": 0.25,
     "breaker_min_members": 1,
     "breaker_probe_interval": 1.5,

@@ -9,6 +9,7 @@ while the group's breaker is OPEN, and drains it with one cron-style run.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -24,7 +25,7 @@ V1 = Path(__file__).parent.parent / "fixtures" / "schemas" / "v1.sql"
 
 
 @pytest.fixture
-def v1(pg_dsn: str, schema: str) -> Engine:
+def v1(pg_dsn: str, schema: str) -> Iterator[Engine]:
     """The test's schema at version 1 as released, with group `g` on topic `t`."""
     ddl = V1.read_text().replace("pgq_v1_schema", f'"{schema}"')
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -33,7 +34,8 @@ def v1(pg_dsn: str, schema: str) -> Engine:
     engine = pgq.connect(pg_dsn, schema=schema)
     pgq.create_topic(engine, "t")
     pgq.subscribe(engine, "g", "t")
-    return engine
+    yield engine
+    engine.dispose()
 
 
 def sql(engine: Engine, statement: str, **params: object) -> None:
