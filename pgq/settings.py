@@ -219,7 +219,17 @@ def _unknown(what: str, where: str, choices: list[str]) -> ConfigError:
 
 _UNITS = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
 _UNIT_ORDER = list(_UNITS)
-_DURATION_PART = re.compile(r"\s*(\d+(?:\.\d+)?|\.\d+)(ms|d|h|m|s)")
+_DURATION_PART = re.compile(r"\s*(\d+(?:\.\d+)?|\.\d+)(ms|d|h|m|s)", re.ASCII)
+_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?", re.ASCII)
+"""A number as ASCII digits (`float()` also takes `'٣'`, `'１'`, `'1_000'` and `'nan'`)."""
+_INTEGER = re.compile(r"[+-]?\d+", re.ASCII)
+
+
+def _ascii(text: str, pattern: re.Pattern[str]) -> str:
+    """`text` if `pattern` matches all of it, else `ValueError`."""
+    if not pattern.fullmatch(text):
+        raise ValueError(text)
+    return text
 
 
 def parse_duration(text: str) -> float:
@@ -231,11 +241,8 @@ def parse_duration(text: str) -> float:
     values that are not finite; the sign is not checked here.
     """
     s = text.strip()
-    try:
+    if _NUMBER.fullmatch(s):
         seconds = float(s)
-    except ValueError:
-        pass
-    else:
         if not math.isfinite(seconds):
             raise ValueError(f"not a finite duration: {text!r}")
         return seconds
@@ -313,11 +320,11 @@ def _parse(name: str, raw: object, origin: _Origin) -> Any:
             if kind == _PREFETCH and text == "auto":
                 value = None
             elif kind in (_COUNT, _COUNT0, _PREFETCH):
-                value = int(text)
+                value = int(_ascii(text, _INTEGER))
             elif kind == _DURATION:
                 value = parse_duration(text)
             else:
-                value = float(text)
+                value = float(_ascii(text, _NUMBER))
         except ValueError:
             reason = {
                 _COUNT: "must be an integer",

@@ -82,6 +82,11 @@ class TextFormatter(logging.Formatter):
     def formatMessage(self, record: logging.LogRecord) -> str:
         return visible(scrub(super().formatMessage(record)))
 
+    def formatException(self, ei: Any) -> str:
+        """The traceback, its lines kept, without secrets or other control characters."""
+        lines = scrub(super().formatException(ei)).split("\n")
+        return "\n".join(visible(line) for line in lines)
+
 
 class JsonFormatter(logging.Formatter):
     """One JSON object a line: time, level, logger, message, the event's fields."""

@@ -53,7 +53,10 @@ def check_dsn(dsn: str) -> None:
     try:
         psycopg.conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
-        raise BadDsn(f"invalid database address: {first_line(exc)}") from None
+        # libpq quotes the address (or the part it could not read, a password
+        # say): never repeat what is quoted
+        reason = re.sub(r'"[^"]*"', '"…"', first_line(exc))
+        raise BadDsn(f"invalid database address: {reason}") from None
 
 
 def connect(

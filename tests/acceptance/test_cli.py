@@ -162,3 +162,19 @@ def test_server_status_reports_a_stopped_server(tmp_path):
     assert data["running"] is False and data["pid"] is None
     stop = CliRunner().invoke(cli, ["server", "stop"], env={"PGQ_HOME": str(tmp_path)})
     assert (stop.exit_code, stop.stdout.strip()) == (0, "not running")
+
+
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://postgres:S3CRETpw@[::1]x:5432/postgres",
+        "postgresql://postgres:S3C%zzRETpw@localhost/postgres",
+        "host=localhost password=S3CRETpw sslmode=nope-nope x",
+    ],
+)
+def test_a_bad_dsn_is_refused_without_repeating_its_password(pgq_env, dsn):
+    """Failed on d54e659 (found by an attack): libpq's message quoted the address."""
+    for args in (("--dsn", dsn, "status"), ("--dsn", dsn, "check", "g")):
+        result = invoke(pgq_env, *args)
+        assert result.exit_code in (2, 3)
+        assert "S3C" not in result.output and "RETpw" not in result.output

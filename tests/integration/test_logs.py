@@ -71,3 +71,14 @@ def test_the_cli_writes_json_lines_with_log_format_json(pgq_env, capsys):
     again = invoke(pgq_env, "status", PGQ_LOG_FORMAT="json")  # the variable is not a setting
     assert again.exit_code == 0, again.stderr
     configure_logging(0)
+
+
+def test_a_traceback_in_a_text_line_keeps_its_lines_but_no_secret_nor_escape():
+    try:
+        raise ValueError("cannot reach postgresql://app:hunter2@db/x\x1b]0;owned\x07")
+    except ValueError:
+        r = logging.LogRecord("pgq", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    text = TextFormatter().format(r)
+    assert "hunter2" not in text and "\x1b" not in text
+    assert all(line.isprintable() for line in text.splitlines())
+    assert text.splitlines()[-1].startswith("ValueError: cannot reach postgresql://app:***@db/x")

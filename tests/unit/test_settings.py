@@ -205,7 +205,12 @@ def test_parse_duration(text: str, seconds: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "abc", "5M", "5 minutes", "1h30", "30m1h", "1h1h", "nan", "inf", "-5s", "5x"]
+    "text",
+    [
+        *("", "abc", "5M", "5 minutes", "1h30", "30m1h", "1h1h", "nan", "inf", "-5s", "5x"),
+        # digits Python's float() takes but a duration must not (found by an attack)
+        *("٣", "١٠", "１", "1_000", "٣d", "0x10"),
+    ],
 )
 def test_parse_duration_rejects(text: str) -> None:
     with pytest.raises(ValueError):
@@ -488,3 +493,11 @@ def test_counts_that_size_threads_and_buffers_have_an_upper_bound(key, value):
     `workers` started threads until the system refused, then hung."""
     with pytest.raises(ConfigError, match="must be <="):
         load_settings(None, env={}, overrides={key: value})
+
+
+@pytest.mark.parametrize("raw", ["٣", "１", "1_000", "+٣"])
+def test_numbers_from_text_are_ascii_digits(raw: str) -> None:
+    with pytest.raises(ConfigError, match="must be an integer"):
+        load_settings(env={"PGQ_WORKERS": raw})
+    with pytest.raises(ConfigError, match="must be a number"):
+        load_settings(env={"PGQ_BREAKER_QUORUM": "0." + raw})
