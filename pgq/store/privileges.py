@@ -18,6 +18,7 @@ from sqlalchemy import Connection, Engine
 
 from pgq.errors import PermissionDenied, SchemaMissing, UsageError
 from pgq.sql import privileges as privileges_sql
+from pgq.sql.locks import lock_key, xact_lock
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
 
@@ -97,10 +98,16 @@ def _grant(
     engine: Engine, schema: str, role: str, job: str, statements: list[str]
 ) -> tuple[str, list[tuple[str, str]]]:
     """Run `statements`; return the role that ran them and what `role` still lacks
-    (then the transaction is rolled back)."""
+    (then the transaction is rolled back).
+
+    Holds `pgq init`'s lock on the schema until it commits: GRANT rewrites each
+    table's catalog row, and two at once on one table fail one of them ("tuple
+    concurrently updated"); so grants run one at a time, and after an upgrade in
+    progress, on the tables it leaves."""
     with wrap_errors(), engine.connect() as conn, conn.begin() as transaction:
         if not conn.execute(privileges_sql.role_exists(), {"role": role}).scalar_one():
             raise UsageError(f"role {role!r} does not exist")
+        conn.execute(xact_lock(lock_key(schema, "migrate")))
         driver = conn.connection.driver_connection
         assert driver is not None
         with driver.cursor() as cur:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -392,6 +393,54 @@ def test_grant_is_idempotent(orders, pg_dsn, schema, pgq_env):
         assert granted(pg_dsn, schema, name) == set(everything("admin")) | set(
             everything("producer")
         )
+
+
+def grant_at_once(engines: list[Engine], names: list[str], job: str) -> list[str]:
+    """`grant(engine, name, job)` for each pair, in threads started together: how
+    each one that raised failed."""
+    start = threading.Barrier(len(names))
+    failures: list[str] = []
+
+    def run(eng: Engine, name: str) -> None:
+        start.wait(10)
+        try:
+            grant(eng, name, job)
+        except Exception as exc:
+            failures.append(f"{name}: {exc!r}")
+
+    threads = [
+        threading.Thread(target=run, args=pair, daemon=True)
+        for pair in zip(engines, names, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a grant hung"
+    return failures
+
+
+def test_concurrent_grants_all_succeed(orders, pg_dsn, schema):
+    """Deployments run `pgq grant` as services start, several at once. Failed on
+    d54e659: two GRANTs on one table at once, and one of them failed with "tuple
+    concurrently updated"."""
+    with contextlib.ExitStack() as stack:
+        names = [stack.enter_context(login_role(pg_dsn))[0] for _ in range(6)]
+        engines = [pgq.connect(pg_dsn, schema=schema) for _ in names]
+        for eng in engines:
+            stack.callback(eng.dispose)
+            with eng.connect():  # connected before the start: the grants overlap
+                pass
+        for _ in range(4):
+            assert grant_at_once(engines, names, "consumer") == []
+            with psycopg.connect(pg_dsn, autocommit=True) as conn:
+                for name in names:
+                    assert granted(pg_dsn, schema, name) == set(everything("consumer"))
+                    conn.execute(
+                        sql.SQL("REVOKE ALL ON ALL TABLES IN SCHEMA {} FROM {}").format(
+                            sql.Identifier(schema), sql.Identifier(name)
+                        )
+                    )
 
 
 def test_a_hostile_role_name_is_one_quoted_identifier(orders, pg_dsn, schema, pgq_env):
