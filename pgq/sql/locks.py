@@ -19,6 +19,17 @@ def xact_lock(key: int) -> Select[tuple[None]]:
     return select(func.pg_advisory_xact_lock(key))
 
 
+def xact_lock_shared(key: int) -> Select[tuple[None]]:
+    """Wait for a transaction-scoped advisory lock in shared mode (released at commit)."""
+    return select(func.pg_advisory_xact_lock_shared(key))
+
+
+def breaker_flip_key(schema: str, group: str) -> int:
+    """The lock an open of `group`'s breaker takes exclusively and a purge shared: a
+    purge never deletes on the view of a breaker that opened while it ran."""
+    return lock_key(schema, "breaker-flip", group)
+
+
 def try_session_lock(key: int) -> Select[tuple[bool]]:
     """Try a session-level advisory lock; true when this session now holds it."""
     return select(func.pg_try_advisory_lock(key))

@@ -22,6 +22,7 @@ from pgq.errors import UsageError
 from pgq.schema import ERROR_CLASSES
 from pgq.settings import DEFAULTS
 from pgq.sql import admin as q
+from pgq.sql.locks import breaker_flip_key, xact_lock_shared
 from pgq.sql.publish import notify_channel
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
@@ -208,9 +209,11 @@ def purge(
     dead letters. No other row is touched. One `audit` row (action `purge`)
     records the count, at most `max_listed` ids (the smallest), `reason` and
     `actor`, written by the same statement as the delete: both or neither.
-    The read of the breaker and the delete share one snapshot (REPEATABLE
-    READ); a dead row that a reconciliation or a requeue changes meanwhile
-    makes the purge fail as a `TransactionConflict`, with nothing written.
+    First it takes the group's breaker-flip lock shared (an open takes it
+    exclusively), so the breaker it reads cannot open before the delete commits:
+    rows an outage is about to refund are never purged on a stale view. A dead
+    row that a reconciliation or a requeue changes meanwhile is rechecked by
+    the delete and left alone; the audit row lists exactly the rows deleted.
     Why deleting a dead row is safe for the frontier and retention:
     `docs/decisions/0017-purge.md`. Raises `UsageError` for bad arguments.
     """
@@ -221,11 +224,8 @@ def purge(
         "max_refunds": max_refunds,
     }
     age = _older_than(older_than)
-    with (
-        wrap_errors(),
-        engine.connect().execution_options(isolation_level="REPEATABLE READ") as conn,
-        conn.begin(),
-    ):
+    with wrap_errors(), engine.connect() as conn, conn.begin():
+        conn.execute(xact_lock_shared(breaker_flip_key(schema_of(conn), group)))
         params["gid"] = group_info(conn, group).id
         row = conn.execute(q.check_group(), {"gid": params["gid"]}).one()
         scope = pending_scope(

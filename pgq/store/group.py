@@ -25,7 +25,7 @@ from pgq.sql import frontier as frontier_sql
 from pgq.sql import members as member_sql
 from pgq.sql import outcomes as outcome_sql
 from pgq.sql import stats as stats_sql
-from pgq.sql.locks import lock_key, try_xact_lock
+from pgq.sql.locks import breaker_flip_key, lock_key, try_xact_lock, xact_lock
 from pgq.store.connections import run_hot
 from pgq.store.engine import schema_of
 
@@ -272,7 +272,10 @@ class GroupStore:
     def open_on_quorum(
         self, conn: Connection, epoch: int, *, ttl: float, min_members: int, quorum: float
     ) -> int | None:
-        """Open the group if the quorum of live tripped members is there; the new epoch."""
+        """Open the group if the quorum of live tripped members is there; the new epoch.
+        Takes the group's breaker-flip lock first (a purge running now finishes on
+        the breaker it read, or waits for this open)."""
+        conn.execute(xact_lock(breaker_flip_key(schema_of(conn), self.group)))
         return conn.execute(
             breaker_sql.open_on_quorum(),
             {
