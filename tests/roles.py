@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator
 import psycopg
 from psycopg import sql
 
-from pgq.sql.privileges import JOBS
+from pgq.sql.privileges import JOBS, grant_statement
 
 PASSWORD = "pgq-role-password"
 """Every role made here logs in with this (a server may ask for one)."""
@@ -41,22 +41,18 @@ def grant_statements(
     """GRANT statements for what `job` needs on `schema`, except `without`."""
     skip = set(without)
     need = JOBS[job]
-    who = sql.Identifier(role)
     grants = []
     if ("schema", "USAGE") not in skip:
-        grants.append(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(sql.Identifier(schema), who))
+        grants.append(
+            sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(
+                sql.Identifier(schema), sql.Identifier(role)
+            )
+        )
     for kind, objects in (("TABLE", need.tables), ("SEQUENCE", need.sequences)):
         for name, privileges in objects.items():
             wanted = [p for p in privileges if (name, p) not in skip]
             if wanted:
-                grants.append(
-                    sql.SQL("GRANT {} ON {} {} TO {}").format(
-                        sql.SQL(", ").join(sql.SQL(p) for p in wanted),
-                        sql.SQL(kind),
-                        sql.Identifier(schema, name),
-                        who,
-                    )
-                )
+                grants.append(grant_statement(kind, schema, name, wanted, role))
     return grants
 
 

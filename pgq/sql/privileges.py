@@ -1,18 +1,22 @@
 """The privileges each job needs on the schema, the statements that grant them,
 and the statement that finds the ones a role lacks.
 
-Three jobs, one shape: `<JOB>_TABLES` (table name to privileges) and
-`<JOB>_SEQUENCES` (sequence name to privileges), besides USAGE on the schema.
+Three jobs, one shape: `<JOB>_TABLES` (table name to privileges, or
+`table.column` to privileges on that column) and `<JOB>_SEQUENCES` (sequence
+name to privileges), besides USAGE on the schema.
 Each list is exact: every entry was found needed by removing it and watching
 the job fail (`tests/integration/test_consumer_privileges.py`,
 `tests/integration/test_roles.py`), and a role with exactly the list does the
 whole job. Why the jobs are cut this way: `docs/decisions/0018-roles.md`.
 
 Row locks count as updates: PostgreSQL lets a role lock rows (`FOR UPDATE`,
-`FOR KEY SHARE`) only with UPDATE on the table, so a producer needs UPDATE on
-`topic` (publishing locks the topic row) and retention needs UPDATE on `topic`
-and `message`. `RETURNING` reads what it returns, so an insert that returns
-ids needs SELECT. Identity columns (`message.id`, `audit.id`) draw from their
+`FOR KEY SHARE`) only with UPDATE on at least one column of the table. pgq
+never updates a `topic` or a `message` row, it only locks them (publishing
+locks the topic row, retention the topic row and the expired messages), so the
+producer and the consumer get UPDATE on one column there, `created_at`, which
+no statement writes: UPDATE on the whole table would let a producer rename
+topics and a consumer rewrite payloads. `RETURNING` reads what it returns, so
+an insert that returns ids needs SELECT. Identity columns (`message.id`, `audit.id`) draw from their
 sequences without USAGE on them; `lease_token` is a plain sequence.
 
 A member checks the consumer's list when it starts: a role that could claim
@@ -23,7 +27,7 @@ nobody looks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cache
 
@@ -46,8 +50,10 @@ from sqlalchemy import (
 from sqlalchemy.sql import ColumnElement, Executable
 
 CONSUMER_TABLES: dict[str, tuple[str, ...]] = {
-    "topic": ("SELECT", "UPDATE"),  # UPDATE: retention locks the topic row (FOR KEY SHARE)
-    "message": ("SELECT", "UPDATE", "DELETE"),  # retention locks and deletes expired ones
+    "topic": ("SELECT",),
+    "topic.created_at": ("UPDATE",),  # only to lock: retention locks the topic (FOR KEY SHARE)
+    "message": ("SELECT", "DELETE"),  # retention deletes expired ones
+    "message.created_at": ("UPDATE",),  # only to lock: retention locks them (FOR UPDATE)
     "consumer_group": ("SELECT", "UPDATE"),  # the frontier and the running totals
     "delivery": ("SELECT", "UPDATE", "DELETE"),  # claims, outcomes, sweep, refunds, pruning
     "member": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # join, heartbeat, leave, forget
@@ -62,7 +68,8 @@ CONSUMER_SEQUENCES: dict[str, tuple[str, ...]] = {
 """Sequence privileges a consumer member needs."""
 
 PRODUCER_TABLES: dict[str, tuple[str, ...]] = {
-    "topic": ("SELECT", "UPDATE"),  # UPDATE: publishing locks the topic row (FOR KEY SHARE)
+    "topic": ("SELECT",),
+    "topic.created_at": ("UPDATE",),  # only to lock: publishing locks the topic (FOR KEY SHARE)
     "message": ("SELECT", "INSERT"),  # SELECT: the insert returns the new ids
     "consumer_group": ("SELECT",),  # the groups of the topic
     "delivery": ("INSERT",),  # one ready row per group
@@ -100,7 +107,8 @@ class Job:
     sequences: Mapping[str, tuple[str, ...]]
 
     def objects(self) -> list[tuple[str, str]]:
-        """Every (object, privilege) the job needs, `("schema", "USAGE")` first."""
+        """Every (object, privilege) the job needs, `("schema", "USAGE")` first; the
+        object of a column privilege is `table.column`."""
         return [
             ("schema", "USAGE"),
             *(
@@ -110,6 +118,13 @@ class Job:
                 for privilege in privileges
             ),
         ]
+
+
+def table_and_column(name: str) -> tuple[str, str | None]:
+    """`("topic", "created_at")` for the column entry `topic.created_at`,
+    `("message", None)` for the table entry `message`."""
+    table_name, _, column_name = name.partition(".")
+    return table_name, column_name or None
 
 
 JOBS: dict[str, Job] = {
@@ -123,24 +138,41 @@ JOBS: dict[str, Job] = {
 # --- granting -----------------------------------------------------------------
 
 
+def grant_statement(
+    kind: str, schema: str, name: str, privileges: Iterable[str], role: str
+) -> psql.Composed:
+    """`GRANT SELECT, INSERT ON TABLE "s"."message" TO "role"` for `kind` TABLE or
+    SEQUENCE; for a column entry `topic.created_at`, `GRANT UPDATE ("created_at")
+    ON TABLE "s"."topic" TO "role"`. Names are quoted identifiers."""
+    table_name, column_name = table_and_column(name)
+    granted: list[psql.Composable]
+    if column_name is None:
+        granted = [psql.SQL(p) for p in privileges]
+    else:
+        on = psql.Identifier(column_name)
+        granted = [psql.SQL("{} ({})").format(psql.SQL(p), on) for p in privileges]
+    return psql.SQL("GRANT {} ON {} {} TO {}").format(
+        psql.SQL(", ").join(granted),
+        psql.SQL(kind),
+        psql.Identifier(schema, table_name),
+        psql.Identifier(role),
+    )
+
+
 def grant_statements(job: str, schema: str, role: str) -> list[psql.Composed]:
     """The GRANT statements that give `role` what `job` needs on `schema`: USAGE on
-    the schema, then one statement per table and per sequence. Names are quoted
-    identifiers (`psycopg.sql.Identifier`), never text pasted into SQL. GRANT is
-    idempotent: running them again changes nothing."""
+    the schema, then one statement per entry of its lists (a table, a column, a
+    sequence). Names are quoted identifiers (`psycopg.sql.Identifier`), never
+    text pasted into SQL. GRANT is idempotent: running them again changes nothing."""
     need = JOBS[job]
-    who = psql.Identifier(role)
-    statements = [psql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(psql.Identifier(schema), who)]
+    statements = [
+        psql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(
+            psql.Identifier(schema), psql.Identifier(role)
+        )
+    ]
     for kind, objects in (("TABLE", need.tables), ("SEQUENCE", need.sequences)):
         for name, privileges in objects.items():
-            statements.append(
-                psql.SQL("GRANT {} ON {} {} TO {}").format(
-                    psql.SQL(", ").join(psql.SQL(p) for p in privileges),
-                    psql.SQL(kind),
-                    psql.Identifier(schema, name),
-                    who,
-                )
-            )
+            statements.append(grant_statement(kind, schema, name, privileges, role))
     return statements
 
 
@@ -164,6 +196,14 @@ _classes = table(
     column("relkind"),
     schema="pg_catalog",
 )
+_attributes = table(
+    "pg_attribute",
+    column("attrelid"),
+    column("attname"),
+    column("attnum"),
+    column("attisdropped"),
+    schema="pg_catalog",
+)
 
 
 def _has(check: str, of_role: bool, *args: ColumnElement[object]) -> ColumnElement[bool]:
@@ -178,25 +218,44 @@ def _has(check: str, of_role: bool, *args: ColumnElement[object]) -> ColumnEleme
 def missing_privileges(job: str, of_role: bool = False) -> Executable:
     """(object, privilege) for each privilege `job` needs in schema `:schema` that
     the current role (with `of_role`: role `:role`) lacks: `("schema", "USAGE")`,
-    `("message", "SELECT")`, ...
+    `("message", "SELECT")`, `("topic.created_at", "UPDATE")`, ...
 
     Looked up by oid in the catalogs, so it answers without USAGE on the schema;
     objects that do not exist are not reported (a missing schema is another error).
+    A column privilege is held on the column or on the whole table (a role granted
+    UPDATE on `topic` by an earlier pgq has UPDATE on `topic.created_at`).
     """
     need = JOBS[job]
-    needs = values(column("relname", Text), column("privilege", Text), name="need").data(
-        [(name, privilege) for name, privilege in need.objects() if name != "schema"]
+    needs = values(
+        column("object", Text),
+        column("relname", Text),
+        column("attname", Text),
+        column("privilege", Text),
+        name="need",
+    ).data(
+        [
+            (name, *table_and_column(name), privilege)
+            for name, privilege in need.objects()
+            if name != "schema"
+        ]
     )
-    n, c = _namespaces, _classes
+    n, c, a = _namespaces, _classes, _attributes
     in_schema = select(n.c.oid).where(n.c.nspname == bindparam("schema")).scalar_subquery()
     granted = case(
         (c.c.relkind == "S", _has("sequence", of_role, c.c.oid, needs.c.privilege)),
+        (
+            needs.c.attname.is_not(None),  # no such column: attnum is null, and so is this
+            _has("column", of_role, c.c.oid, a.c.attnum, needs.c.privilege),
+        ),
         else_=_has("table", of_role, c.c.oid, needs.c.privilege),
     )
+    column_of = and_(a.c.attrelid == c.c.oid, a.c.attname == needs.c.attname, ~a.c.attisdropped)
     objects = (
-        select(needs.c.relname, needs.c.privilege)
+        select(needs.c.object, needs.c.privilege)
         .select_from(
-            needs.join(c, and_(c.c.relname == needs.c.relname, c.c.relnamespace == in_schema))
+            needs.join(
+                c, and_(c.c.relname == needs.c.relname, c.c.relnamespace == in_schema)
+            ).outerjoin(a, column_of)
         )
         .where(~granted)
     )

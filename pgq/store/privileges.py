@@ -122,7 +122,8 @@ def _grant(
 
 
 def _named(schema: str, job: str, rows: list[tuple[str, str]]) -> str:
-    """`SELECT, UPDATE on s.message; USAGE on schema s` for (object, privilege) rows."""
+    """`SELECT, DELETE on s.message; UPDATE on s.message.created_at; USAGE on schema s`
+    for (object, privilege) rows (the object of a column privilege is `table.column`)."""
     lacking: dict[str, list[str]] = {}
     for kind, privilege in rows:
         lacking.setdefault(kind, []).append(privilege)

@@ -11,18 +11,23 @@ while it runs stops, and `run()` raises `PermissionDenied` once it is down.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import psycopg
 import pytest
 from helpers import FAST, wait_until
 from roles import EVERYTHING, consumer_role
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
+from sqlalchemy.exc import DBAPIError
 
 import pgq
+from pgq import schema as t
 from pgq.errors import PermissionDenied
+from pgq.sql import frontier as frontier_sql
 
 
 class Role(NamedTuple):
@@ -60,12 +65,14 @@ def as_role(pg_dsn: str, schema: str, orders: Engine) -> Iterator[Callable[..., 
 
 def lacking(message: str) -> set[tuple[str, str]]:
     """The (object, privilege) pairs a refusal names: "... needs: SELECT, UPDATE on
-    s.message; USAGE on schema s (pgq grant ...)" gives ("message", "SELECT"), ..."""
+    s.message; UPDATE on s.topic.created_at; USAGE on schema s (pgq grant ...)"
+    gives ("message", "SELECT"), ..., ("topic.created_at", "UPDATE"), ..."""
     listed = message.split(" needs: ", 1)[1].split(" (pgq grant ", 1)[0]
     found = set()
     for part in listed.split("; "):
         privileges, _, where = part.partition(" on ")
-        name = "schema" if where.startswith("schema ") else where.rpartition(".")[2]
+        # "schema s", "s.message", or "s.topic.created_at" for a column
+        name = "schema" if where.startswith("schema ") else where.split(".", 1)[1]
         found |= {(name, p) for p in privileges.split(", ")}
     return found
 
@@ -124,9 +131,19 @@ def test_exactly_the_consumer_privileges_run_a_whole_outage(orders, as_role, cap
         (("message", "SELECT"),),
         (("message", "DELETE"),),
         (("lease_token", "USAGE"),),
+        (("topic.created_at", "UPDATE"),),
+        (("message.created_at", "UPDATE"),),
         EVERYTHING,
     ],
-    ids=["breaker-update", "message-select", "message-delete", "sequence", "nothing"],
+    ids=[
+        "breaker-update",
+        "message-select",
+        "message-delete",
+        "sequence",
+        "topic-lock",
+        "message-lock",
+        "nothing",
+    ],
 )
 def test_a_missing_privilege_is_refused_before_joining(orders, as_role, schema, without):
     pgq.publish(orders, "orders", {"n": 1})
@@ -139,6 +156,47 @@ def test_a_missing_privilege_is_refused_before_joining(orders, as_role, schema, 
     assert lacking(message) == set(without), message
     assert pgq.status(orders, "billing")["members"] == []  # it never joined
     assert pgq.status(orders, "billing")["counts"]["ready"] == 1
+
+
+@pytest.mark.parametrize(
+    "without",
+    [(), (("topic.created_at", "UPDATE"),), (("message.created_at", "UPDATE"),)],
+    ids=["all", "topic-lock", "message-lock"],
+)
+def test_retention_needs_update_on_one_column_to_lock(orders, as_role, without):
+    """Retention locks the topic row (FOR KEY SHARE) and the expired messages (FOR
+    UPDATE) and updates neither: UPDATE on `created_at` is what lets it lock, and
+    each is needed by the statements themselves, not only by the start-up check."""
+    pgq.create_topic(orders, "unread")  # no group: its messages expire at once
+    pgq.publish(orders, "unread", {"n": 1})
+    with orders.connect() as conn:
+        topic_id = conn.execute(select(t.topic.c.id).where(t.topic.c.name == "unread")).scalar()
+    eng = as_role(*without).engine
+
+    def expire() -> list[Any]:
+        with eng.begin() as conn:
+            conn.execute(frontier_sql.lock_topic_for_retention(), {"topic_id": topic_id})
+            params = {"topic_id": topic_id, "retention": dt.timedelta(0), "limit": 10}
+            return list(conn.execute(frontier_sql.delete_expired_messages(), params).all())
+
+    if not without:
+        assert len(expire()) == 1
+        return
+    with pytest.raises(DBAPIError) as info:
+        expire()
+    assert isinstance(info.value.orig, psycopg.errors.InsufficientPrivilege), info.value
+
+
+def test_a_role_granted_by_an_earlier_pgq_still_starts(orders, as_role, schema):
+    """Earlier pgq granted UPDATE on the whole of `topic` and `message`; a role that
+    has it has UPDATE on their `created_at` too, and more than the list is fine."""
+    role, eng = as_role(("topic.created_at", "UPDATE"), ("message.created_at", "UPDATE"))
+    with orders.begin() as conn:
+        conn.exec_driver_sql(f'GRANT UPDATE ON "{schema}".topic, "{schema}".message TO "{role}"')
+    pgq.publish(orders, "orders", {"n": 1})
+    summary = pgq.Consumer(eng, "billing", lambda m: None, **FAST).run(until_empty=True)
+    assert summary.stop_reason == "empty"
+    assert pgq.status(orders, "billing")["counts"]["done"] == 1
 
 
 def test_a_privilege_revoked_while_it_runs_stops_the_member(orders, as_role, schema):

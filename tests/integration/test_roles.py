@@ -66,8 +66,9 @@ def as_role(pg_dsn: str, schema: str, pgq_env: dict[str, str]) -> Iterator[Calla
 
 
 def granted(pg_dsn: str, schema: str, role: str) -> set[tuple[str, str]]:
-    """What `role` was granted on `schema` and its tables and sequences, from the
-    catalogs' access lists: {("schema", "USAGE"), ("message", "SELECT"), ...}."""
+    """What `role` was granted on `schema`, its tables, their columns and its
+    sequences, from the catalogs' access lists: {("schema", "USAGE"),
+    ("message", "SELECT"), ("topic.created_at", "UPDATE"), ...}."""
     query = """
         SELECT 'schema', a.privilege_type
         FROM pg_namespace n, aclexplode(n.nspacl) a
@@ -77,6 +78,13 @@ def granted(pg_dsn: str, schema: str, role: str) -> set[tuple[str, str]]:
         SELECT c.relname, a.privilege_type
         FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace,
              aclexplode(c.relacl) a
+        WHERE n.nspname = %(schema)s
+          AND a.grantee = (SELECT oid FROM pg_roles WHERE rolname = %(role)s)
+        UNION ALL
+        SELECT c.relname || '.' || att.attname, a.privilege_type
+        FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+             JOIN pg_attribute att ON att.attrelid = c.oid,
+             aclexplode(att.attacl) a
         WHERE n.nspname = %(schema)s
           AND a.grantee = (SELECT oid FROM pg_roles WHERE rolname = %(role)s)
     """
@@ -181,6 +189,36 @@ def test_the_consumer_role_cannot_publish(granted_roles, orders, schema):
     line = assert_one_line_exit_2(run_pgq(consumer.env, "publish", "orders", '{"n": 1}'))
     assert "lacks privileges a producer needs: INSERT on" in line
     assert messages(orders) == before
+
+
+REWRITES = [
+    ("producer", "UPDATE {s}.topic SET name = 'hijacked'"),
+    ("consumer", "UPDATE {s}.topic SET name = 'hijacked'"),
+    ("consumer", "UPDATE {s}.message SET payload = '{{\"amount\": 1e9}}'"),
+    ("consumer", "UPDATE {s}.message SET key = 'forged', headers = NULL"),
+    ("consumer", "UPDATE {s}.message SET topic_id = topic_id + 1"),
+    ("consumer", "UPDATE {s}.message SET xid = '1'"),
+]
+"""Rewrites of rows pgq only locks, by the role that locks them."""
+
+
+def test_a_role_cannot_rewrite_the_rows_it_only_locks(granted_roles, orders, schema):
+    """pgq never updates a topic or a message: a producer locks its topic row, a
+    consumer's retention locks both. Failed on d54e659 (`pgq grant` gave UPDATE on
+    the whole table): the producer renamed topics, the consumer rewrote payloads."""
+    pgq.publish(orders, "orders", {"amount": 10})
+    rewrote = []
+    for job, statement in REWRITES:
+        text = statement.format(s=sql.Identifier(schema).as_string(None))
+        with psycopg.connect(granted_roles[job].dsn) as conn:
+            try:
+                conn.execute(text.encode())
+            except psycopg.errors.InsufficientPrivilege:
+                continue
+            finally:
+                conn.rollback()
+        rewrote.append(f"{job}: {text}")
+    assert rewrote == []
 
 
 # -- the producer's list is exact --------------------------------------------------
@@ -372,7 +410,8 @@ def test_print_needs_no_database_nor_an_existing_role(schema):
     assert result.exit_code == 0, result.output
     assert result.output.splitlines() == [
         f'GRANT USAGE ON SCHEMA "{schema}" TO "app_that_will_exist"',
-        f'GRANT SELECT, UPDATE ON TABLE "{schema}"."topic" TO "app_that_will_exist"',
+        f'GRANT SELECT ON TABLE "{schema}"."topic" TO "app_that_will_exist"',
+        f'GRANT UPDATE ("created_at") ON TABLE "{schema}"."topic" TO "app_that_will_exist"',
         f'GRANT SELECT, INSERT ON TABLE "{schema}"."message" TO "app_that_will_exist"',
         f'GRANT SELECT ON TABLE "{schema}"."consumer_group" TO "app_that_will_exist"',
         f'GRANT INSERT ON TABLE "{schema}"."delivery" TO "app_that_will_exist"',
