@@ -113,6 +113,7 @@ commands = st.one_of(
     st.tuples(st.just("topic"), st.just("create"), topics),
     st.tuples(st.just("subscribe"), groups, topics),
     st.tuples(st.just("publish"), topics, payloads),
+    st.builds(lambda t, p, k: ("publish", t, p, "--key", k), topics, payloads, odd_text),
     st.builds(lambda g, i, r: ("requeue", g, "--id", i, "--reason", r), groups, numbers, odd_text),
     st.builds(lambda g, n: ("dead", g, "--limit", n), groups, numbers),
     st.builds(lambda g, n: ("breaker", g, "--limit", n), groups, numbers),
