@@ -119,6 +119,8 @@ def publish_many(
         return []
     if delay is not None and delay < 0:
         raise UsageError("delay must be >= 0")
+    if key is not None:
+        _check_key(key)
     params = {
         "topic": topic,
         "payloads": to_json(batch),
@@ -156,6 +158,18 @@ class _AbortedPipelineNoise(logging.Filter):
 
 
 logging.getLogger("psycopg").addFilter(_AbortedPipelineNoise())
+
+
+def _check_key(key: object) -> None:
+    """A key is text PostgreSQL can store: UTF-8 without NUL (`InvalidPayload` else)."""
+    if not isinstance(key, str):
+        raise InvalidPayload(f"key must be a string, not {type(key).__name__}")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidPayload("key is not valid text (a lone surrogate)") from None
+    if "\x00" in key:
+        raise InvalidPayload("key cannot contain a NUL character")
 
 
 def _locked_publish(conn: Connection, params: dict[str, Any]) -> list[int] | None:

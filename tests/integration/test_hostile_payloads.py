@@ -50,3 +50,11 @@ def test_the_cli_refuses_a_payload_too_deep_in_one_line(orders, pgq_env):
         result = invoke(pgq_env, *args, stdin=stdin)
         assert_usage_error(result.exit_code, result.stderr, contains="nested too deeply")
     assert pgq.status(orders, "billing")["counts"]["ready"] == 0
+
+
+@pytest.mark.parametrize("key", ["a\x00b", "\udc80", 5])
+def test_a_key_postgresql_cannot_store_is_refused_in_one_line(orders, key):
+    """Failed on the commit before (a lone surrogate raised UnicodeEncodeError)."""
+    with pytest.raises(InvalidPayload, match="key"):
+        pgq.publish(orders, "orders", {"n": 1}, key=key)
+    assert pgq.status(orders, "billing")["counts"]["ready"] == 0
