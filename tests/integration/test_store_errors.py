@@ -42,6 +42,7 @@ from pgq.errors import (
     DatabaseError,
     DatabaseUnavailable,
     InvalidData,
+    InvalidPayload,
     PermissionDenied,
     PgqError,
     SchemaMissing,
@@ -420,9 +421,9 @@ def test_publishing_a_refused_value_is_invalid_data(engine):
     with pytest.raises(PgqError) as info:
         pgq.publish(engine, "orders", {"text": "a\x00b"})  # jsonb: 22P05
     check(info.value, InvalidData)
-    with pytest.raises(PgqError) as info:
-        pgq.publish(engine, "orders", {"n": 1}, key="k\x00")  # a text parameter
-    check(info.value, InvalidData)
+    with pytest.raises(PgqError) as info:  # a key is checked before it is sent
+        pgq.publish(engine, "orders", {"n": 1}, key="k\x00")
+    check(info.value, InvalidPayload)
 
 
 # --- conflicts ------------------------------------------------------------------------
