@@ -199,39 +199,18 @@ def test_a_role_granted_by_an_earlier_pgq_still_starts(orders, as_role, schema):
     assert pgq.status(orders, "billing")["counts"]["done"] == 1
 
 
-def test_a_privilege_revoked_while_it_runs_stops_the_member(orders, as_role, schema):
-    role, eng = as_role()
-    consumer = pgq.Consumer(eng, "billing", lambda m: None, **FAST)
-    outcome: list[BaseException | pgq.RunSummary] = []
-
-    def run() -> None:
-        try:
-            outcome.append(consumer.run())
-        except BaseException as exc:
-            outcome.append(exc)
-
-    thread = threading.Thread(target=run, name="test-consumer", daemon=True)
-    thread.start()
-    try:
-        wait_until(lambda: pgq.status(orders, "billing")["members"], 10, "the member to join")
-        with orders.begin() as conn:  # the frontier task updates it every second
-            conn.exec_driver_sql(f'REVOKE UPDATE ON "{schema}".consumer_group FROM "{role}"')
-        thread.join(15)
-        assert not thread.is_alive(), "the member did not stop"
-    finally:
-        consumer.request_stop()
-        thread.join(15)
-    [result] = outcome
-    assert isinstance(result, PermissionDenied), result
-    assert f"UPDATE on {schema}.consumer_group" in str(result)
-    assert not pgq.status(orders, "billing")["members"][0]["live"]
-
-
-def test_a_privilege_the_fetcher_meets_first_stops_the_member_without_a_crash(
-    orders, as_role, schema, caplog
+@pytest.mark.parametrize(
+    ("table", "meets_it"),
+    [
+        ("consumer_group", "a maintenance task (the frontier updates it every second)"),
+        # failed on ac05858: met by the fetcher (no claim can lock a row), the refusal
+        # crashed the thread (a traceback; run() returned as if signalled)
+        ("delivery", "the fetcher, woken by a publish"),
+    ],
+)
+def test_a_privilege_revoked_while_it_runs_stops_the_member(
+    orders, as_role, schema, caplog, table, meets_it
 ):
-    """Failed on ac05858: a refusal in the fetcher (not a maintenance task) crashed
-    the thread (a traceback, run() returned as if signalled)."""
     role, eng = as_role()
     consumer = pgq.Consumer(eng, "billing", lambda m: None, **FAST)
     outcome: list[BaseException | pgq.RunSummary] = []
@@ -246,14 +225,16 @@ def test_a_privilege_the_fetcher_meets_first_stops_the_member_without_a_crash(
     thread.start()
     try:
         wait_until(lambda: pgq.status(orders, "billing")["members"], 10, "the member to join")
-        with orders.begin() as conn:  # no claim can lock or lease a row now
-            conn.exec_driver_sql(f'REVOKE UPDATE ON "{schema}".delivery FROM "{role}"')
-        pgq.publish(orders, "orders", {"n": 1})  # wakes the fetcher at once
+        with orders.begin() as conn:
+            conn.exec_driver_sql(f'REVOKE UPDATE ON "{schema}".{table} FROM "{role}"')
+        pgq.publish(orders, "orders", {"n": 1})
         thread.join(15)
-        assert not thread.is_alive(), "the member did not stop"
+        assert not thread.is_alive(), f"the member did not stop ({meets_it})"
     finally:
         consumer.request_stop()
         thread.join(15)
     [result] = outcome
     assert isinstance(result, PermissionDenied), result
+    assert f"UPDATE on {schema}.{table}" in str(result)
     assert "thread crashed" not in caplog.text
+    assert not any(m["live"] for m in pgq.status(orders, "billing")["members"])
