@@ -16,26 +16,24 @@ from sqlalchemy import (
     Integer,
     Interval,
     Numeric,
-    Text,
     and_,
     bindparam,
     case,
     cast,
-    column,
     func,
     insert,
     literal,
     literal_column,
     or_,
     select,
-    table,
     update,
 )
 from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
 from pgq.sql.claim import lease_picked
-from pgq.sql.members import member_live
+from pgq.sql.locks import advisory_held, pg_locks
+from pgq.sql.members import member_live, row_key
 from pgq.sql.refunds import carries_charges, charged_within
 
 br, hist, mb, d, g = t.breaker, t.breaker_history, t.member, t.delivery, t.consumer_group
@@ -122,35 +120,6 @@ def open_on_quorum() -> Executable:
     return _recorded(flipped, t.OPEN)
 
 
-_locks = table(
-    "pg_locks",
-    column("locktype"),
-    column("database"),
-    column("classid"),
-    column("objid"),
-    column("objsubid"),
-    column("granted"),
-    column("pid"),
-    schema="pg_catalog",
-)
-_databases = table("pg_database", column("oid"), column("datname"), schema="pg_catalog")
-
-
-def _prober_key() -> ColumnElement[int]:
-    """The advisory lock the elected prober's lock session holds beside the probe lock,
-    for the member row at hand: a hash of the member table's oid (one per schema and
-    database), the group and the member's name. SQL can compute it from the row, so
-    `pgq status` finds the prober in pg_locks without a stored name."""
-    text = (
-        cast(literal_column(f"{mb.name}.tableoid"), Text)
-        + literal(":prober:")
-        + cast(mb.c.group_id, Text)
-        + literal(":")
-        + mb.c.name
-    )
-    return func.hashtextextended(text, 0)
-
-
 @cache
 def set_prober() -> Executable:
     """Record `:member` as the prober of `:gid` (the last one elected, for the record)."""
@@ -163,9 +132,9 @@ def set_prober() -> Executable:
 
 @cache
 def mark_prober() -> Executable:
-    """Take `:member`'s prober lock (`_prober_key`) in this session: run on the session
+    """Take `:member`'s prober lock (`row_key("prober")`) in this session: run on the session
     that holds the probe lock, it names the prober for as long as that session lives."""
-    return select(func.pg_try_advisory_lock(_prober_key())).where(
+    return select(func.pg_try_advisory_lock(row_key("prober"))).where(
         mb.c.group_id == bindparam("gid"), mb.c.name == bindparam("member")
     )
 
@@ -173,25 +142,7 @@ def mark_prober() -> Executable:
 def prober_of(gid: ColumnElement[Any]) -> Any:
     """The member of group `gid` whose prober lock some session holds (pg_locks), if any:
     the prober right now, and no one once its lock session is gone."""
-    here = select(_databases.c.oid).where(_databases.c.datname == func.current_database())
-    key = (
-        cast(_locks.c.classid, BigInteger)
-        .op("<<")(literal_column("32"))
-        .op("|")(cast(_locks.c.objid, BigInteger))
-    )
-    held = (
-        select(literal(1))
-        .select_from(_locks)
-        .where(
-            _locks.c.locktype == literal("advisory"),
-            _locks.c.granted,
-            _locks.c.objsubid == literal(1),
-            _locks.c.database == here.scalar_subquery(),
-            key == _prober_key(),
-        )
-        .correlate_except(_locks)
-        .exists()
-    )
+    held = advisory_held(row_key("prober"))
     return (
         select(mb.c.name)
         .where(mb.c.group_id == gid, held)
@@ -491,16 +442,13 @@ def _owed_a_refund() -> ColumnElement[bool]:
 @cache
 def lock_held() -> Executable:
     """True while this session holds an advisory lock (the lock connection holds no other)."""
-    locks = table(
-        "pg_locks", column("locktype"), column("pid"), column("granted"), schema="pg_catalog"
-    )
     return select(
         select(literal(1))
-        .select_from(locks)
+        .select_from(pg_locks)
         .where(
-            locks.c.locktype == literal("advisory"),
-            locks.c.pid == func.pg_backend_pid(),
-            locks.c.granted,
+            pg_locks.c.locktype == literal("advisory"),
+            pg_locks.c.pid == func.pg_backend_pid(),
+            pg_locks.c.granted,
         )
         .exists()
     )

@@ -1,17 +1,67 @@
-"""Advisory lock keys, derived from the schema and what they guard."""
+"""Advisory lock keys, derived from the schema and what they guard, and how to see in
+`pg_locks` whether a session holds one."""
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
-from sqlalchemy import bindparam, false, func, literal, select
-from sqlalchemy.sql import Select
+from sqlalchemy import (
+    BigInteger,
+    bindparam,
+    cast,
+    column,
+    false,
+    func,
+    literal,
+    literal_column,
+    select,
+    table,
+)
+from sqlalchemy.sql import ColumnElement, Select
+
+pg_locks = table(
+    "pg_locks",
+    column("locktype"),
+    column("database"),
+    column("classid"),
+    column("objid"),
+    column("objsubid"),
+    column("granted"),
+    column("pid"),
+    schema="pg_catalog",
+)
+_pg_database = table("pg_database", column("oid"), column("datname"), schema="pg_catalog")
 
 
 def lock_key(*parts: str) -> int:
     """A stable signed 64-bit advisory lock key for `parts` (schema first)."""
     digest = hashlib.blake2b("\x1f".join(("pgq", *parts)).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
+
+
+def advisory_held(key: ColumnElement[Any], *, this_session: bool = False) -> ColumnElement[bool]:
+    """Some session of this database (or this very session) holds the session-level
+    advisory lock `key` (a bigint expression, which pg_locks splits into classid and
+    objid, objsubid 1)."""
+    here = select(_pg_database.c.oid).where(_pg_database.c.datname == func.current_database())
+    held = (
+        cast(pg_locks.c.classid, BigInteger)
+        .op("<<")(literal_column("32"))
+        .op("|")(cast(pg_locks.c.objid, BigInteger))
+    )
+    where = [
+        pg_locks.c.locktype == literal("advisory"),
+        pg_locks.c.granted,
+        pg_locks.c.objsubid == literal(1),
+        pg_locks.c.database == here.scalar_subquery(),
+        held == key,
+    ]
+    if this_session:
+        where.append(pg_locks.c.pid == func.pg_backend_pid())
+    return (
+        select(literal(1)).select_from(pg_locks).where(*where).correlate_except(pg_locks).exists()
+    )
 
 
 def xact_lock(key: int) -> Select[tuple[None]]:

@@ -7,7 +7,6 @@ from functools import cache
 from typing import Any
 
 from sqlalchemy import (
-    BigInteger,
     Boolean,
     Integer,
     Interval,
@@ -15,14 +14,12 @@ from sqlalchemy import (
     and_,
     bindparam,
     cast,
-    column,
     delete,
     func,
     literal,
     literal_column,
     or_,
     select,
-    table,
     update,
 )
 from sqlalchemy.dialects.postgresql import OID
@@ -30,68 +27,38 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
+from pgq.sql.locks import advisory_held
 
 mb, d, br = t.member, t.delivery, t.breaker
 
-_locks = table(
-    "pg_locks",
-    column("locktype"),
-    column("database"),
-    column("classid"),
-    column("objid"),
-    column("objsubid"),
-    column("granted"),
-    column("pid"),
-    schema="pg_catalog",
-)
-_databases = table("pg_database", column("oid"), column("datname"), schema="pg_catalog")
+
+def _key(
+    table_oid: ColumnElement[Any], gid: ColumnElement[Any], name: ColumnElement[Any], purpose: str
+) -> Any:
+    """hashtextextended of `oid:[purpose:]gid:name`: a member's lock key for `purpose`."""
+    text = cast(table_oid, Text) + literal(":" + (f"{purpose}:" if purpose else ""))
+    return func.hashtextextended(text + cast(gid, Text) + literal(":") + name, 0)
 
 
-def _key(table_oid: ColumnElement[Any], gid: ColumnElement[Any], name: ColumnElement[Any]) -> Any:
-    text = cast(table_oid, Text) + literal(":") + cast(gid, Text) + literal(":") + name
-    return func.hashtextextended(text, 0)
-
-
-def session_key() -> ColumnElement[int]:
-    """The advisory lock key a member's session holds while the member runs, for the
-    member row at hand: a hash of the member table's oid (one per schema and
-    database), the group and the name. Computed where the row is, so the liveness
-    test needs no stored key; `session_key_for` computes the same from parameters."""
-    return _key(literal_column(f"{mb.name}.tableoid"), mb.c.group_id, mb.c.name)
+def row_key(purpose: str = "") -> ColumnElement[int]:
+    """The advisory lock key of the member row at hand for `purpose` ("" the member's
+    session lock, "prober" the elected prober's name lock): a hash of the member
+    table's oid (one per schema and database), the group and the name, computed
+    where the row is, so no key is stored."""
+    return _key(literal_column(f"{mb.name}.tableoid"), mb.c.group_id, mb.c.name, purpose)
 
 
 def session_key_for() -> ColumnElement[int]:
-    """`session_key` of member `:member` in group `:gid` of member table `:table`
+    """`row_key()` of member `:member` in group `:gid` of member table `:table`
     (the schema-qualified name), without reading the row."""
     table_oid = cast(func.to_regclass(bindparam("table", type_=Text)), OID)
-    return _key(table_oid, bindparam("gid", type_=Integer), bindparam("member", type_=Text))
-
-
-def _lock_key_of_row() -> ColumnElement[int]:
-    high = cast(_locks.c.classid, BigInteger).op("<<")(literal_column("32"))
-    return high.op("|")(cast(_locks.c.objid, BigInteger))
-
-
-def _advisory_here() -> list[ColumnElement[bool]]:
-    here = select(_databases.c.oid).where(_databases.c.datname == func.current_database())
-    return [
-        _locks.c.locktype == literal("advisory"),
-        _locks.c.granted,
-        _locks.c.objsubid == literal(1),
-        _locks.c.database == here.scalar_subquery(),
-    ]
+    return _key(table_oid, bindparam("gid", type_=Integer), bindparam("member", type_=Text), "")
 
 
 def session_present() -> ColumnElement[bool]:
     """Some session of this database holds the member row's session lock (`pg_locks`):
     the member's process is still connected. `kill -9` ends it at once."""
-    return (
-        select(literal(1))
-        .select_from(_locks)
-        .where(*_advisory_here(), _lock_key_of_row() == session_key())
-        .correlate_except(_locks)
-        .exists()
-    )
+    return advisory_held(row_key())
 
 
 def member_live(ttl: ColumnElement[Any] | None = None) -> ColumnElement[bool]:
@@ -128,16 +95,7 @@ def release_session_lock() -> Executable:
 @cache
 def session_lock_held() -> Executable:
     """True while this very session holds `:member`'s session lock in `:gid`."""
-    return select(
-        select(literal(1))
-        .select_from(_locks)
-        .where(
-            *_advisory_here(),
-            _locks.c.pid == func.pg_backend_pid(),
-            _lock_key_of_row() == session_key_for(),
-        )
-        .exists()
-    )
+    return select(advisory_held(session_key_for(), this_session=True))
 
 
 def _this_process() -> ColumnElement[bool]:
