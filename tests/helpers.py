@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, update
 
 import pgq
 from pgq import schema as t
@@ -238,3 +238,25 @@ def read_ids(out: Path, kind: str, tag: str = "*") -> list[int]:
     for path in sorted(out.glob(f"{kind}-{tag}")):
         ids.extend(int(line.split()[0]) for line in path.read_text().splitlines() if line)
     return ids
+
+
+def set_rows(engine: Engine, ids: list[int], **values: Any) -> None:
+    """Write `values` into the delivery rows of the messages `ids` (every group)."""
+    d = t.delivery
+    with engine.begin() as conn:
+        conn.execute(update(d).where(d.c.message_id.in_(ids)).values(**values))
+
+
+def kill(engine: Engine, ids: list[int], error_class: str, **values: Any) -> None:
+    """Make rows dead the way the consumer would (attempts used up, an error kept)."""
+    fields = {
+        "state": "dead",
+        "attempts": 3,
+        "error_class": error_class,
+        "last_error": f"{error_class} failure",
+        "error_epoch": 0,
+        # systemic failures are the outage's charges; any other failure clears them
+        "refundable_attempts": 3 if error_class == "systemic" else 0,
+        **values,
+    }
+    set_rows(engine, ids, **fields)

@@ -22,7 +22,9 @@ from helpers import (
     assert_usage_error,
     db_now,
     invoke,
+    kill,
     rows,
+    set_rows,
     wait_for_frontier,
     wait_until,
 )
@@ -42,26 +44,6 @@ HOSTILE = "a\x1b]0;owned\x07b\x1b[2J\u202ec\x9bd"
 
 def publish(engine: Engine, n: int, topic: str = "orders") -> list[int]:
     return pgq.publish_many(engine, topic, [{"n": i} for i in range(n)])
-
-
-def set_rows(engine: Engine, ids: list[int], **values: Any) -> None:
-    d = t.delivery
-    with engine.begin() as conn:
-        conn.execute(update(d).where(d.c.message_id.in_(ids)).values(**values))
-
-
-def kill(engine: Engine, ids: list[int], error_class: str, **values: Any) -> None:
-    """Make rows dead the way the consumer would (attempts used up, an error kept)."""
-    fields = {
-        "state": "dead",
-        "attempts": 3,
-        "error_class": error_class,
-        "last_error": f"{error_class} failure",
-        "error_epoch": 0,
-        "refundable_attempts": 3 if error_class == "systemic" else 0,
-        **values,
-    }
-    set_rows(engine, ids, **fields)
 
 
 def audit_rows(engine: Engine) -> list[Any]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
-from helpers import FAST, PGQ, db_now, invoke, rows
+from helpers import FAST, PGQ, db_now, invoke, kill, rows, set_rows
 from sqlalchemy import Engine, select, update
 
 import pgq
@@ -29,27 +29,6 @@ def billing(orders: Engine) -> Engine:
 
 def publish(engine: Engine, n: int) -> list[int]:
     return pgq.publish_many(engine, "orders", [{"n": i} for i in range(n)])
-
-
-def set_rows(engine: Engine, ids: list[int], **values: Any) -> None:
-    d = t.delivery
-    with engine.begin() as conn:
-        conn.execute(update(d).where(d.c.message_id.in_(ids)).values(**values))
-
-
-def kill(engine: Engine, ids: list[int], error_class: str, **values: Any) -> None:
-    """Make rows dead the way the consumer would (attempts used up, an error kept)."""
-    fields = {
-        "state": "dead",
-        "attempts": 3,
-        "error_class": error_class,
-        "last_error": f"{error_class} failure",
-        "error_epoch": 0,
-        # systemic failures are the outage's charges; any other failure clears them
-        "refundable_attempts": 3 if error_class == "systemic" else 0,
-        **values,
-    }
-    set_rows(engine, ids, **fields)
 
 
 def set_breaker(engine: Engine, **values: Any) -> None:
