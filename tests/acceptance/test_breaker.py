@@ -18,7 +18,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from helpers import consumer_env, finish, rows, spawn_pgq, wait_until
+from helpers import rows, wait_until
+from members import ConsumeProcesses, consume_processes
 from sqlalchemy import Engine
 
 import pgq
@@ -46,47 +47,21 @@ SETTINGS = {
 GOOD, POISON = 300, 5
 
 
-class Group:
+class Group(ConsumeProcesses):
     """Three members of group `g` on topic `t`, with their flag directory."""
 
     def __init__(self, engine: Engine, env: dict[str, str], out: Path) -> None:
-        self.engine, self.env, self.out = engine, env, out
-        self.procs: dict[str, subprocess.Popen[str]] = {}
+        super().__init__(engine, env, out, "outage_handlers:flaky", SETTINGS)
 
     def start(self, name: str, **extra: object) -> None:
-        env = consumer_env(self.env, self.out, TESTQ_TAG=name, **{**SETTINGS, **extra})
-        self.procs[name] = spawn_pgq(
-            env,
-            "consume",
-            "g",
-            "--handler",
-            "outage_handlers:flaky",
-            "--name",
-            name,
-            log=self.out / f"{name}.log",
-        )
+        self.spawn(name, **extra)
 
     def status(self) -> dict:
         return pgq.status(self.engine, "g")
 
-    def breaker(self) -> dict:
-        return self.status()["breaker"]
-
     def member(self, name: str) -> dict:
         found = [m for m in monitor.members(self.engine, "g", 1.5) if m["name"] == name]
         return found[0] if found else {}
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for name, proc in self.procs.items():
-            code, _, _ = finish(proc, 30)
-            assert code in (0, -signal.SIGKILL), (
-                name,
-                code,
-                (self.out / f"{name}.log").read_text(),
-            )
 
     def done_records(self) -> dict[int, list[int]]:
         """message id -> the `attempt` of every successful handler call."""
@@ -100,18 +75,8 @@ class Group:
 
 @pytest.fixture
 def group(engine: Engine, pgq_env: dict[str, str], tmp_path: Path) -> Iterator[Group]:
-    pgq.create_topic(engine, "t")
-    pgq.subscribe(engine, "g", "t")
-    g = Group(engine, pgq_env, tmp_path)
-    try:
+    with consume_processes(Group, engine, pgq_env, tmp_path) as g:
         yield g
-    finally:
-        for proc in g.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        for log in sorted(tmp_path.glob("*.log")):  # shown by pytest when the test failed
-            print(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-40:]))
 
 
 def probe_lock_holders(pg_dsn: str, schema: str) -> int:

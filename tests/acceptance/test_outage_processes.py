@@ -20,7 +20,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from helpers import PGQ, consumer_env, finish, pin_frontier, rows, spawn_pgq, wait_until
+from helpers import PGQ, finish, pin_frontier, rows, wait_until
+from members import ConsumeProcesses, consume_processes
 from sqlalchemy import Engine
 
 import pgq
@@ -49,49 +50,21 @@ FAST = {
 }
 
 
-class Members:
+class Members(ConsumeProcesses):
     """`pgq consume` processes of group `g` (topic `t`) and what their handlers wrote."""
 
     def __init__(self, engine: Engine, env: dict[str, str], out: Path) -> None:
-        self.engine, self.env, self.out = engine, env, out
-        self.procs: dict[str, subprocess.Popen[str]] = {}
-
-    def spawn(self, name: str, *args: str, **settings: object) -> subprocess.Popen[str]:
-        env = consumer_env(self.env, self.out, TESTQ_TAG=name, **{**FAST, **settings})
-        proc = spawn_pgq(
-            env,
-            "consume",
-            "g",
-            "--handler",
-            HANDLER,
-            "--name",
-            name,
-            *args,
-            log=self.out / f"{name}.log",
-        )
-        self.procs[name] = proc
-        return proc
+        super().__init__(engine, env, out, HANDLER, FAST)
 
     def cron(self, name: str, timeout: float, **settings: object) -> tuple[int, str]:
         """One `--until-empty` run, as cron starts it: (exit code, its log)."""
         code, _, _ = finish(self.spawn(name, "--until-empty", **settings), timeout)
-        return code, self.log(name)
-
-    def log(self, name: str) -> str:
-        return (self.out / f"{name}.log").read_text()
+        return code, self.log_text(name)
 
     def kill(self, name: str) -> None:
         proc = self.procs[name]
         proc.send_signal(signal.SIGKILL)
         assert finish(proc, 10)[0] == -signal.SIGKILL
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for name, proc in self.procs.items():
-            code, _, _ = finish(proc, 30)
-            assert code in (0, -signal.SIGKILL), (name, code, self.log(name))
 
     def records(self, kind: str) -> dict[int, list[tuple[str, int]]]:
         """message id -> (member, attempt) of each handler call noted as `kind`."""
@@ -105,18 +78,8 @@ class Members:
 
 @pytest.fixture
 def members(engine: Engine, pgq_env: dict[str, str], tmp_path: Path) -> Iterator[Members]:
-    pgq.create_topic(engine, "t")
-    pgq.subscribe(engine, "g", "t")
-    group = Members(engine, pgq_env, tmp_path)
-    try:
+    with consume_processes(Members, engine, pgq_env, tmp_path, tail=30) as group:
         yield group
-    finally:
-        for proc in group.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        for log in sorted(tmp_path.glob("*.log")):  # shown by pytest when the test failed
-            print(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-30:]))
 
 
 # -- who reconciles, and how far it got ------------------------------------------
@@ -292,7 +255,7 @@ def test_prober_killed_mid_reconciliation_another_member_finishes(
         )
     finally:
         reconciliation.close()
-    finishers = [n for n in survivors if "reconciliation finished" in members.log(n)]
+    finishers = [n for n in survivors if "reconciliation finished" in members.log_text(n)]
     assert finishers, "no surviving member logged the end of the reconciliation"
     history = monitor.breaker_info(members.engine, "g")["history"]
     assert history[0]["by_member"] == victim  # the killed member closed the group

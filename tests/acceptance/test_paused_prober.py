@@ -13,14 +13,14 @@ decides liveness). Every wait is bounded.
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
-from helpers import consumer_env, finish, spawn_pgq, wait_until
+from helpers import wait_until
+from members import ConsumeProcesses, consume_processes
 from sqlalchemy import Engine
 
 import pgq
@@ -64,62 +64,28 @@ back: `member_ttl` for the paused lock session to end, then an election and a
 probe (a few probe intervals), with slack for a busy two-core machine."""
 
 
-class Members:
+class Members(ConsumeProcesses):
     """`pgq consume g` processes by name, with their logs and flag directory."""
 
     def __init__(self, engine: Engine, env: dict[str, str], out: Path) -> None:
-        self.engine, self.env, self.out = engine, env, out
-        self.procs: dict[str, subprocess.Popen[str]] = {}
+        super().__init__(engine, env, out, "outage_handlers:flaky", SETTINGS)
 
     def start(self, name: str, **extra: object) -> None:
-        env = consumer_env(self.env, self.out, TESTQ_TAG=name, **{**SETTINGS, **extra})
-        self.procs[name] = spawn_pgq(
-            env,
-            "consume",
-            "g",
-            "--handler",
-            "outage_handlers:flaky",
-            "--name",
-            name,
-            log=self.log(name),
-        )
-
-    def log(self, name: str) -> Path:
-        return self.out / f"{name}.log"
-
-    def breaker(self) -> dict:
-        return pgq.status(self.engine, "g")["breaker"]
+        self.spawn(name, **extra)
 
     def closes(self) -> list[dict]:
         history = monitor.breaker_info(self.engine, "g")["history"]
         return [h for h in history if h["state"] == "CLOSED"]
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for name, proc in self.procs.items():
-            code, _, _ = finish(proc, 30)
-            log = self.log(name).read_text()
-            assert code == 0, (name, code, log)
-            assert "Traceback" not in log, (name, log)
+        """Every member exits 0 on SIGTERM, with no traceback in its log."""
+        super().stop_all(killed_ok=False, clean_logs=True)
 
 
 @pytest.fixture
 def members(engine: Engine, pgq_env: dict[str, str], tmp_path: Path) -> Iterator[Members]:
-    pgq.create_topic(engine, "t")
-    pgq.subscribe(engine, "g", "t")
-    group = Members(engine, pgq_env, tmp_path)
-    try:
+    with consume_processes(Members, engine, pgq_env, tmp_path) as group:
         yield group
-    finally:
-        for proc in group.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-                proc.kill()
-                proc.communicate()
-        for log in sorted(tmp_path.glob("*.log")):  # shown by pytest when the test failed
-            print(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-40:]))
 
 
 def probe_lock_pids(pg_dsn: str, schema: str) -> list[int]:
@@ -184,10 +150,10 @@ def test_paused_prober_loses_the_election_and_steps_down_when_resumed(members, p
     # a few probe turns later it still runs, as a plain member
     deadline = time.monotonic() + 2.0
     while time.monotonic() < deadline:
-        assert paused.poll() is None, members.log(prober).read_text()
+        assert paused.poll() is None, members.log_text(prober)
         assert probe_lock_pids(pg_dsn, schema) == []
         time.sleep(0.1)
-    log = members.log(prober).read_text()
+    log = members.log_text(prober)
     assert log.count("prober stepped down") <= 1, log
     assert "group breaker closed by probe" not in log, log
     closes = [(h["epoch"], h["by_member"]) for h in members.closes() if h["epoch"] > epoch]
@@ -230,7 +196,7 @@ def test_slow_probe_and_long_probe_interval_keep_the_lock(members, pg_dsn, schem
     (close,) = [h for h in members.closes() if h["epoch"] > epoch]
     assert close["by_member"] == prober
     for name in members.procs:
-        assert "prober stepped down" not in members.log(name).read_text()
+        assert "prober stepped down" not in members.log_text(name)
     members.stop_all()
 
 
