@@ -10,4 +10,5 @@ pytest_plugins = [
     "fixtures.cli",
     "fixtures.database",
     "fixtures.groups",
+    "fixtures.processes",
 ]

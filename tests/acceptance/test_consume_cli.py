@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,18 +37,6 @@ FAST_ENV = {
     "PGQ_RETRY_BACKOFF": "0.05",
     "PGQ_POLL_INTERVAL": "0.1",
 }
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    """Processes a test started; any still running at the end are killed."""
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-        proc.communicate(timeout=10)  # reap it and close its pipes
 
 
 def env_for(pgq_env: dict[str, str], out: Path, **extra: object) -> dict[str, str]:

@@ -11,25 +11,13 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 
-import pytest
 from helpers import consumer_env, finish, pin_frontier, read_ids, rows, spawn_pgq, wait_until
 
 import pgq
 
 ENV = {"PGQ_LEASE": "2.0", "PGQ_BREAKER_HEARTBEAT": "0.2", "PGQ_POLL_INTERVAL": "0.1"}
 """Short leases and heartbeats; `member_ttl` stays at its default, 10 s."""
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=10)
 
 
 def member(pgq_env, tmp_path, tag: str, *args: str) -> subprocess.Popen[str]:

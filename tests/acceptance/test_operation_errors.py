@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 import signal
 import socket
-import subprocess
 import time
 import urllib.request
 import uuid
@@ -31,17 +30,6 @@ FAST_ENV = {
     "PGQ_BREAKER_MEMBER_TTL": "1.0",
     "PGQ_POLL_INTERVAL": "0.1",
 }
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    """Processes a test started; any still running at the end are killed."""
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate(timeout=10)
 
 
 def free_port() -> int:
