@@ -375,16 +375,22 @@ def test_a_dead_row_changed_during_a_purge_is_left_alone(orders):
     assert audit.count == 2 and sorted(audit.message_ids) == [ids[0], ids[2]]
 
 
-def purge_waits(engine: Engine) -> bool:
+def waits_on_lock(engine: Engine, query: str) -> bool:
+    """A session of this database running a statement like `query` waits for a lock."""
     with engine.connect() as conn:
         return bool(
             conn.execute(
                 text(
                     "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock' AND query LIKE '%DELETE FROM%audit%'"
-                )
+                    " AND wait_event_type = 'Lock' AND query LIKE :query"
+                ),
+                {"query": query},
             ).scalar()
         )
+
+
+def purge_waits(engine: Engine) -> bool:
+    return waits_on_lock(engine, "%DELETE FROM%audit%")
 
 
 def test_after_a_purge_the_group_drains_the_frontier_passes_and_retention_deletes(orders, pgq_env):
@@ -576,12 +582,4 @@ def test_a_breaker_that_opens_during_a_purge_keeps_the_rows_it_will_refund(order
 
 def flip_waits(engine: Engine) -> bool:
     """A session waits for the breaker-flip lock (a purge behind an open)."""
-    with engine.connect() as conn:
-        return bool(
-            conn.execute(
-                text(
-                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
-                    " AND wait_event_type = 'Lock' AND query LIKE '%advisory_xact_lock_shared%'"
-                )
-            ).scalar()
-        )
+    return waits_on_lock(engine, "%advisory_xact_lock_shared%")
