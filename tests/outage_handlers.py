@@ -6,15 +6,19 @@ while `<TESTQ_DIR>/down` exists, and for one member alone while
 `{"poison": true}` always raises `ValueError` (a real dead letter);
 `{"cursed": true}` always raises `ConnectionError` (poison misclassified as
 systemic). Each successful call appends `<id> <tag> <attempt>` to `done-<tag>`.
+While `<TESTQ_DIR>/hang-probes` exists a group probe writes `probing-<tag>` and
+hangs until the flag is gone.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
 import pgq
+from pgq.consumer import PROBE_THREAD
 
 
 def _tag() -> str:
@@ -42,6 +46,10 @@ def dependency_down() -> bool:
 
 def flaky(msg: pgq.Message) -> None:
     """Call the simulated dependency; poison and cursed payloads always fail."""
+    if threading.current_thread().name == PROBE_THREAD and (_dir() / "hang-probes").exists():
+        (_dir() / f"probing-{_tag()}").touch()
+        while (_dir() / "hang-probes").exists():
+            time.sleep(0.05)
     if msg.payload.get("poison"):
         raise ValueError("poison message")
     if msg.payload.get("cursed"):

@@ -36,8 +36,9 @@ logger = logging.getLogger("pgq.breaker")
 
 RECONCILE_BATCH = 5000
 
-PROBE_SLACK = 1.0
-"""Seconds a probe's reserved slot lasts beyond `handler_timeout` (writing its outcome)."""
+RENEW_SHARE = 1 / 3
+"""A probe in flight renews its slot (reserved for `breaker.member_ttl`) every this
+share of it, so a prober that dies or stops answering frees the slot within the ttl."""
 
 PROBE_THREAD = "pgq-probe-attempt"
 """The name of the thread a group probe's handler runs in (handlers may log it)."""
@@ -202,16 +203,13 @@ class Prober(Role):
         probe slot, so the member that holds the lock now probes at once.
         """
         m, s = self.member, self.member.settings
-        budget = s.handler_timeout + PROBE_SLACK
-        row = self.conn.run(
-            m.store.claim_probe, epoch, s.breaker_max_refunds, budget, s.breaker_member_ttl
-        )
+        row = self.conn.run(m.store.claim_probe, epoch, s.breaker_max_refunds, s.breaker_member_ttl)
         if row is None:
             return None
         m.hold([row])
         lost: LostLock | None = None
         try:
-            outcome = self._attempt(row)
+            outcome = self._attempt(row, epoch)
             if outcome.kind == "done":
                 try:
                     self.lock.check()
@@ -237,14 +235,18 @@ class Prober(Role):
             raise lost
         return outcome
 
-    def _attempt(self, row: Claimed) -> Outcome:
+    def _attempt(self, row: Claimed, epoch: int) -> Outcome:
         """The handler on the probe row, bounded by `handler_timeout`.
 
         While it runs (possibly longer than `breaker.member_ttl`) the lock's session
-        is kept busy. A lock lost meanwhile is left for `_probe` to find: the
-        handler's outcome is written either way.
+        is kept busy and the probe slot stays reserved (`RENEW_SHARE`). A lock lost
+        meanwhile is left for `_probe` to find: the handler's outcome is written
+        either way, and until then the slot stays this probe's, so a successor
+        waits for it.
         """
-        handling, timeout = self.member.handling, self.member.settings.handler_timeout
+        m = self.member
+        handling, timeout = m.handling, m.settings.handler_timeout
+        ttl = m.settings.breaker_member_ttl
         result: list[Outcome] = []
         runner = threading.Thread(
             target=lambda: result.append(handling.run(row)), name=PROBE_THREAD, daemon=True
@@ -255,12 +257,18 @@ class Prober(Role):
             left = deadline - self.clock()
             if left <= 0:
                 break
-            runner.join(min(left, self.lock.keep_every))
-            if holding and runner.is_alive():
+            runner.join(min(left, self.lock.keep_every, ttl * RENEW_SHARE))
+            if not runner.is_alive():
+                break
+            if holding:
                 try:
                     self.lock.check()
                 except LostLock:
                     holding = False
+            try:
+                self.conn.run(m.store.renew_probe, epoch, ttl)
+            except DatabaseUnavailable as cut:
+                logger.warning("probe slot not renewed id=%d error=%s", row.id, cut)
         if result:
             return result[0]
         exc = TimeoutError(f"probe ran longer than handler_timeout ({timeout:g}s)")

@@ -152,56 +152,29 @@ def prober_of(gid: ColumnElement[Any]) -> Any:
     )
 
 
-def _probe_in_flight() -> ColumnElement[bool]:
-    """A probe of this OPEN outage is still running: a row of the group leased since the
-    group opened (while OPEN the claim statement gives no row out, so only probes are
-    leased then), unexpired, held by a live member (`:ttl`; DESIGN §6.2). A prober
-    killed mid-probe stops counting at once, a paused one after `:ttl`."""
-    holder_live = (
-        select(literal(1))
-        .select_from(mb)
-        .where(mb.c.group_id == d.c.group_id, mb.c.name == d.c.lease_owner, member_live())
-        .exists()
-    )
-    return (
-        select(literal(1))
-        .select_from(d)
-        .where(
-            d.c.group_id == br.c.group_id,
-            d.c.state == t.LEASED,
-            d.c.updated_at >= br.c.since,
-            d.c.lease_expires_at > func.now(),
-            holder_live,
-        )
-        .exists()
-    )
-
-
 @cache
 def probe_slot() -> Executable:
     """Lock `:gid`'s breaker row if it is OPEN at `:at_epoch` and a probe may start: the
-    next probe time has come, or no probe is in flight (its prober died mid-probe).
+    next probe time has come (the backoff after the last probe's outcome, or the end
+    of the slot a probe in flight reserved and its prober stopped renewing).
 
     The probe claim runs in the same transaction and then `reserve_probe`s the slot,
     so of two probers (one that lost its lock mid-probe and its successor) only one
     probe is in flight: the other waits for the first one's outcome.
     """
     due = func.coalesce(br.c.next_probe_at <= func.now(), True)
-    return (
-        select(br.c.group_id)
-        .where(_open_at_epoch(), or_(due, ~_probe_in_flight()))
-        .with_for_update(of=br)
-    )
+    return select(br.c.group_id).where(_open_at_epoch(), due).with_for_update(of=br)
 
 
 @cache
 def reserve_probe() -> Executable:
-    """A probe of `:gid` started: no other until now + `:budget` (its handler's time
-    limit), unless its outcome sets the next probe time first."""
+    """A probe of `:gid` started (or still runs): no other until now + `:hold`, unless
+    its outcome sets the next probe time first. The prober renews the slot while the
+    handler runs, so a prober that dies or stops answering frees it within `:hold`."""
     return (
         update(br)
         .where(_open_at_epoch())
-        .values(next_probe_at=func.now() + bindparam("budget", type_=Interval))
+        .values(next_probe_at=func.now() + bindparam("hold", type_=Interval))
     )
 
 

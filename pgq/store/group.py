@@ -108,18 +108,18 @@ class GroupStore:
         return self._claimed(run_hot(conn, claim_sql.claim(limit), params), epoch, probe)
 
     def claim_probe(
-        self, conn: Connection, epoch: int, max_refunds: int, budget: float, ttl: float
+        self, conn: Connection, epoch: int, max_refunds: int, hold: float
     ) -> Claimed | None:
         """Lease the group probe of the OPEN `epoch` (DESIGN §6.4): a row due now, else the
         systemic retry due soonest, else a dead row the outage charged under the refund cap; within
         each kind the rows not yet probed in this outage first, then the least
         recently probed.
 
-        Only when the stored next probe time has come, or no probe is in flight (its
-        holder not live within `ttl`), and then it reserves the next `budget` seconds
-        (the probe's time limit) in the same transaction: one probe in flight per
-        group, even when a prober lost its lock mid-probe. None when no probe may
-        start (or the group moved on) or there is nothing to probe with.
+        Only when the stored next probe time has come, and then it reserves the next
+        `hold` seconds in the same transaction (the prober renews them with
+        `renew_probe` while the handler runs): one probe in flight per group, even
+        when a prober lost its lock mid-probe. None when no probe may start (or the
+        group moved on) or there is nothing to probe with.
         """
         params = {
             "gid": self.gid,
@@ -127,7 +127,6 @@ class GroupStore:
             "lease": self.lease,
             "at_epoch": epoch,
             "max_refunds": max_refunds,
-            "ttl": dt.timedelta(seconds=ttl),
         }
         if conn.execute(breaker_sql.probe_slot(), params).one_or_none() is None:
             return None
@@ -135,10 +134,14 @@ class GroupStore:
             for probed in (False, True):
                 rows = conn.execute(breaker_sql.claim_probe(kind, probed), params).all()
                 if rows:
-                    budget_param = {"budget": dt.timedelta(seconds=budget)}
-                    conn.execute(breaker_sql.reserve_probe(), {**params, **budget_param})
+                    self.renew_probe(conn, epoch, hold)
                     return self._claimed(rows, epoch, probe=True)[0]
         return None
+
+    def renew_probe(self, conn: Connection, epoch: int, hold: float) -> None:
+        """Keep the probe slot of the OPEN `epoch` reserved for the next `hold` seconds."""
+        params = {"gid": self.gid, "at_epoch": epoch, "hold": dt.timedelta(seconds=hold)}
+        conn.execute(breaker_sql.reserve_probe(), params)
 
     def probe_done(self, conn: Connection, row: Claimed) -> tuple[bool, int]:
         """Write a successful group probe (refunding its systemic charges): (written,

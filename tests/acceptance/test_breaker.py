@@ -193,6 +193,31 @@ def test_prober_killed_another_member_takes_over_and_closes(group):
     group.stop_all()
 
 
+def test_a_prober_killed_mid_probe_does_not_hold_the_group_open(group):
+    """kill -9 of the prober while its probe's handler runs (handler_timeout at its
+    default, 300 s): the slot it reserved frees within member_ttl and another member
+    probes and closes (before: the slot stayed reserved for handler_timeout + 1 s)."""
+    publish_work(group.engine, poison=0)
+    (group.out / "down").touch()
+    (group.out / "hang-probes").touch()
+    for name in ("m1", "m2", "m3"):
+        group.start(name)
+    wait_until(lambda: group.breaker()["state"] == "OPEN", 30, "the group to open")
+    (probing,) = wait_until(lambda: list(group.out.glob("probing-*")), 20, "a probe to start")
+    prober = probing.name.removeprefix("probing-")
+    group.procs[prober].send_signal(signal.SIGKILL)
+    group.procs[prober].communicate()
+    (group.out / "hang-probes").unlink()
+    (group.out / "down").unlink()
+    wait_until(lambda: group.breaker()["state"] == "CLOSED", 30, "the group to close")
+    closes = [
+        h for h in monitor.breaker_info(group.engine, "g")["history"] if h["state"] == "CLOSED"
+    ]
+    assert {h["by_member"] for h in closes} <= {"m1", "m2", "m3"} - {prober}
+    wait_until(lambda: drained(group), 60, "the group to drain")
+    group.stop_all()
+
+
 def test_member_still_broken_after_close_stays_locally_open(group):
     publish_work(group.engine, poison=0)
     (group.out / "down").touch()

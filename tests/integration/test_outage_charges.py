@@ -137,7 +137,7 @@ def test_a_row_snoozed_after_a_systemic_failure_keeps_its_time(orders, schema):
 
     set_breaker(engine, schema, "OPEN", 1)
     sql(engine, schema, "UPDATE {s}.breaker SET next_probe_at = now()")
-    assert run_once(engine, s.claim_probe, 1, MAX_REFUNDS, 5.0, 30.0) is None
+    assert run_once(engine, s.claim_probe, 1, MAX_REFUNDS, 5.0) is None
 
     assert close_and_reconcile(engine, s, 1) == 1
     after = row(engine, schema, mid)

@@ -97,8 +97,8 @@ PROBER_TURNS = 3
 PROBE_INTERVAL = 1000.0
 PROBE_INTERVAL_MAX = 4000.0
 """Probe backoff never runs out by itself: only `probe_time_comes` brings the next probe."""
-BUDGET = LEASE + 1.0
-"""The slot a probe reserves (`handler_timeout` + the prober's slack)."""
+HOLD = LEASE + 1.0
+"""How long the slot a probe reserves lasts unless renewed (the prober passes `member_ttl`)."""
 RECONCILE_LIMIT = 2
 """Rows per reconciliation batch: a reconciliation spans several steps."""
 POISON_PROBES_PER_ROW = MAX_ATTEMPTS + MAX_RECLAIMS + 2
@@ -758,7 +758,8 @@ class BreakerMachine(RuleBasedStateMachine):
     @rule(in_flight=st.booleans())
     def probe_time_comes(self, in_flight: bool) -> None:
         """The next probe time comes: the backoff after a probe, or (`in_flight`) the
-        slot a probe in flight reserved (its handler overran `handler_timeout`)."""
+        slot a probe in flight reserved, which its prober stopped renewing (paused,
+        its connection cut; a killed prober's probe is no longer in flight at all)."""
         if self.brk.state != "OPEN" or self.brk.probe_due:
             return
         if self._probe_in_flight() and not in_flight:
@@ -1075,7 +1076,7 @@ class BreakerMachine(RuleBasedStateMachine):
         """`Prober._probe`'s claim: the probe slot, the row, the reservation."""
         classes = self._probe_candidates(epoch)
         slot = self.brk.state == "OPEN" and self.brk.epoch == epoch
-        slot = slot and (self.brk.probe_due or not self._probe_in_flight())
+        slot = slot and self.brk.probe_due
         with self._tx() as conn:
             times = {
                 mid: (avail, upd)
@@ -1085,7 +1086,7 @@ class BreakerMachine(RuleBasedStateMachine):
                     )
                 )
             }
-            row = proc.store.claim_probe(conn, epoch, MAX_REFUNDS, BUDGET, TTL)
+            row = proc.store.claim_probe(conn, epoch, MAX_REFUNDS, HOLD)
         first = next((i for i, cls in enumerate(classes) if cls), None)
         if not slot or first is None:
             assert row is None, f"probe claimed m{row and row.id} (slot {slot}, none to probe)"
