@@ -27,7 +27,9 @@ Modes (several may be given; `--compare` is the same as the mode `compare`):
   publish    publish_many throughput ({"i": n} and 1 KB payloads, batches of
              1,000, one subscribed group) and single publish() latency
   consume    burn-down: a backlog of N drained by --procs consumer processes
-             started together (default 1), each with --workers workers
+             started together (default 1), each with --workers workers;
+             with several, each process's share of the messages
+             (consume and compare also take --handler-ms and --prefetch)
   latency    idle publish-to-handler latency (a message every ~20 ms) and
              the idle consumer's CPU over 5 s
   sustained  producers at a steady rate for ~10 s while one consumer keeps up
@@ -43,6 +45,8 @@ Examples (`python -m scripts.bench ...` from the checkout works too):
   .venv/bin/python scripts/bench --compare --n 20000 --reps 3 --workers 8,64
   .venv/bin/python scripts/bench publish consume latency sustained --md out.md
   .venv/bin/python scripts/bench consume --n 50000 --procs 1,4 --workers 8
+  .venv/bin/python scripts/bench consume --n 400 --procs 2 --handler-ms 100 --reps 3
+  .venv/bin/python scripts/bench consume --n 20000 --prefetch 50
   .venv/bin/python scripts/bench backlog --n 20000,1000000 --reps 1
   .venv/bin/python scripts/bench tablesize --total 2000000 --chunk 100000
   .venv/bin/python scripts/bench profile --n 20000 --workers 64

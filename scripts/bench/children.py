@@ -203,6 +203,46 @@ def _start_py_spy(opts: dict) -> subprocess.Popen:
     return spy
 
 
+def _consume_handler(
+    seen: list[int], stamp: list[float], handler_ms: float
+) -> Callable[[pgq.Message], None]:
+    """The burn-down's "job": record the id and the time; with `handler_ms` > 0,
+    sleep that long first (a slow handler; the no-op one stays as cheap as before)."""
+    perf = time.perf_counter
+
+    def handler(msg: pgq.Message) -> None:  # the no-op "job"
+        seen.append(msg.id)
+        stamp[0] = perf()
+
+    if not handler_ms:
+        return handler
+    delay = handler_ms / 1000.0
+
+    def slow_handler(msg: pgq.Message) -> None:
+        seen.append(msg.id)
+        time.sleep(delay)
+        stamp[0] = perf()
+
+    return slow_handler
+
+
+def _consume_config(settings: Any, opts: dict) -> str:
+    """The consumer's configuration line: workers, the prefetch used, the handler."""
+    pf = opts.get("prefetch")
+    eff = settings.effective_prefetch
+    prefetch = (
+        f"prefetch default ({eff}, 2×workers)"
+        if pf is None
+        else f"prefetch={pf}" + (f" ({eff})" if pf != eff else "")
+    )
+    ms = float(opts.get("handler_ms", 0))
+    handler = f"sync handler sleeping {ms:g} ms per message" if ms else "sync no-op handler"
+    return (
+        f"1 Consumer, workers={settings.workers}, {prefetch}, batch_size={settings.batch_size}, "
+        f"other settings default; run(until_empty=True); {handler}"
+    )
+
+
 def child_consume(dsn: str, n: int, opts: dict) -> dict:
     workers = int(opts.get("workers", 8))
     engine = _engine(dsn, opts)
@@ -211,13 +251,10 @@ def child_consume(dsn: str, n: int, opts: dict) -> dict:
         out["explain_before"] = explain_paths(engine)
     seen: list[int] = []
     stamp = [0.0]
-    perf = time.perf_counter
-
-    def handler(msg: pgq.Message) -> None:  # the no-op "job"
-        seen.append(msg.id)
-        stamp[0] = perf()
-
-    consumer = pgq.Consumer(engine, GROUP, handler, workers=workers)
+    handler = _consume_handler(seen, stamp, float(opts.get("handler_ms", 0)))
+    # prefetch only when given, so the Consumer's own default applies otherwise
+    extra = {"prefetch": opts["prefetch"]} if opts.get("prefetch") is not None else {}
+    consumer = pgq.Consumer(engine, GROUP, handler, workers=workers, **extra)
     _warm_pool(engine, 4)
     spy = _start_py_spy(opts) if opts.get("profile_out") else None
     if opts.get("barrier"):
@@ -256,12 +293,8 @@ def child_consume(dsn: str, n: int, opts: dict) -> dict:
         out.update(dbstate.db_counts(dsn))  # with several processes the parent counts at the end
     if opts.get("explain"):
         out["explain_after"] = explain_paths(engine)
-    s = consumer.settings
-    out["config"] = (
-        f"1 Consumer, workers={s.workers}, prefetch={s.effective_prefetch} (2×workers), "
-        f"batch_size={s.batch_size}, other settings default; run(until_empty=True); "
-        "sync no-op handler"
-    )
+    out["prefetch"] = consumer.settings.effective_prefetch
+    out["config"] = _consume_config(consumer.settings, opts)
     return out
 
 

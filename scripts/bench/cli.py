@@ -31,6 +31,30 @@ def floats(text: str) -> list[float]:
     return [float(t) for t in str(text).split(",") if t.strip()]
 
 
+def prefetch(text: str) -> int | str:
+    """`--prefetch`: an integer >= 1 or the word `auto` (2 × workers), as `Consumer` takes it."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer or 'auto': {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto': {text!r}")
+    return value
+
+
+def milliseconds(text: str) -> float:
+    """`--handler-ms`: a number of milliseconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be >= 0: {text!r}")
+    return value
+
+
 def parent_main(args: argparse.Namespace) -> int:
     """Run the modes asked for; 0 when every run passed its checks, else 1."""
     modes = list(dict.fromkeys((["compare"] if args.compare else []) + args.modes))
@@ -104,6 +128,22 @@ def parser() -> argparse.ArgumentParser:
         "--procs",
         default="1",
         help="consume: consumer PROCESSES draining one backlog together, a comma list (default 1)",
+    )
+    ap.add_argument(
+        "--handler-ms",
+        type=milliseconds,
+        default=0.0,
+        metavar="MS",
+        help="consume/compare: each pgq consumer's handler sleeps MS ms per message "
+        "(default 0: a no-op handler; the anchors' handlers stay no-ops)",
+    )
+    ap.add_argument(
+        "--prefetch",
+        type=prefetch,
+        default=None,
+        metavar="P",
+        help="consume/compare: pgq Consumer(prefetch=P), an integer or 'auto' "
+        "(default: not passed, the Consumer's own default)",
     )
     ap.add_argument(
         "--reps",

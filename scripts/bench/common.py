@@ -31,6 +31,37 @@ READY = "@@READY@@"
 """A consumer child started with a barrier prints this once it is ready to go."""
 
 
+def consumer_opts(args: Any, workers: int) -> dict[str, Any]:
+    """A pgq consumer child's options from the flags: `workers`, and `handler_ms` and
+    `prefetch` only when given (`--handler-ms`, `--prefetch`; consume and compare)."""
+    opts: dict[str, Any] = {"workers": workers}
+    if getattr(args, "handler_ms", 0):
+        opts["handler_ms"] = args.handler_ms
+    if getattr(args, "prefetch", None) is not None:
+        opts["prefetch"] = args.prefetch
+    return opts
+
+
+def prefetch_label(prefetch: int | str | None) -> str:
+    """`prefetch=50`, `prefetch=auto`, or `prefetch default` when not passed."""
+    return "prefetch default" if prefetch is None else f"prefetch={prefetch}"
+
+
+def share_spread(counts: list[int]) -> float | None:
+    """How far apart the processes' shares are: (max - min) / mean, in %."""
+    total = sum(counts)
+    if len(counts) < 2 or not total:
+        return None
+    return (max(counts) - min(counts)) / (total / len(counts)) * 100.0
+
+
+def shares_text(counts: list[int]) -> str:
+    """`shares 205/195, 5.0 % apart`: messages handled per process."""
+    spread = share_spread(counts)
+    apart = f", {spread:.1f} % apart" if spread is not None else ""
+    return "shares " + "/".join(f"{c:,}" for c in counts) + apart
+
+
 def batches(n: int, size: int, start: int = 0) -> Iterator[range]:
     """`range(start, start + n)` in slices of `size`."""
     for lo in range(start, start + n, size):

@@ -198,15 +198,17 @@ def pgq_child(phase: str, dsn: str, n: int, opts: dict, args: Any) -> dict:
     return run_cmd(child_command(phase, dsn, n, opts, args.batch), args.timeout)
 
 
-def consume_procs(dsn: str, n: int, workers: int, procs: int, args: Any) -> dict:
-    """Drain one backlog of `n` with `procs` consumer PROCESSES of `workers` each.
+def consume_procs(dsn: str, n: int, consumer: dict, procs: int, args: Any) -> dict:
+    """Drain one backlog of `n` with `procs` consumer PROCESSES, each with the
+    consumer options `consumer` (`workers`, optionally `handler_ms`, `prefetch`).
 
     Every child imports, builds its Consumer and warms its pool, reports ready,
     and waits; the parent then lets them all go at once. Throughput = N / (last
     child's return - first child's start); CPU = all children's CPU; exactly-once
     over the union of the ids the handlers saw, plus the database counts.
     """
-    opts = {"workers": workers, "barrier": True, "ids": True}
+    workers = int(consumer["workers"])
+    opts = {**consumer, "barrier": True, "ids": True}
     cmd = child_command("consume", dsn, n, opts, args.batch)
     kids: list[tuple[subprocess.Popen, Any]] = []
     for _ in range(procs):
@@ -269,6 +271,7 @@ def _combine(results: list[dict], procs: int, workers: int) -> dict[str, Any]:
         "ok": True,
         "procs": procs,
         "workers": workers,
+        "prefetch": results[0].get("prefetch"),
         "consume_s": last - first,
         "consume_client_cpu_s": sum(r["consume_client_cpu_s"] for r in results),
         "consume_client_sys_s": sum(r["consume_client_sys_s"] for r in results),

@@ -23,13 +23,20 @@ from scripts.bench.anchors import (
     anchor_versions,
     ensure_anchors_venv,
 )
-from scripts.bench.common import log, med
+from scripts.bench.common import consumer_opts, log, med, prefetch_label, shares_text
 from scripts.bench.harness import Server, consume_procs, exactly_once, fail_text, pgq_child
 from scripts.bench.profiling import analyze_profile
 
 
-def pgq_name(w: int) -> str:
-    return f"pgq-w{w}"
+def pgq_name(w: int, prefetch: int | str | None = None) -> str:
+    """`pgq-w8`, or `pgq-w8-p50` with `--prefetch 50`."""
+    return f"pgq-w{w}" + (f"-p{prefetch}" if prefetch is not None else "")
+
+
+def knobs_label(args: Any) -> str:
+    """` prefetch default` / ` prefetch=50`, plus ` handler 100 ms` with --handler-ms."""
+    ms = f" handler {args.handler_ms:g} ms" if args.handler_ms else ""
+    return f" {prefetch_label(args.prefetch)}{ms}"
 
 
 def mode_compare(srv: Server, args: Any, report: dict) -> list[str]:
@@ -40,7 +47,7 @@ def mode_compare(srv: Server, args: Any, report: dict) -> list[str]:
     if anchors:
         ensure_anchors_venv(args)
     entries: list[tuple[str, Any]] = [(s, None) for s in anchors] + [
-        (pgq_name(w), w) for w in args.workers
+        (pgq_name(w, args.prefetch), w) for w in args.workers
     ]
     raw: dict[str, list[dict]] = defaultdict(list)
     for rep in range(args.reps):
@@ -57,7 +64,7 @@ def mode_compare(srv: Server, args: Any, report: dict) -> list[str]:
                     c = (
                         anchor_child("consume", name, dsn, n, args)
                         if w is None
-                        else pgq_child("consume", dsn, n, {"workers": w}, args)
+                        else pgq_child("consume", dsn, n, consumer_opts(args, w), args)
                     )
                 else:
                     c = {"ok": False, "error": "enqueue failed"}
@@ -148,15 +155,18 @@ def _consume_runs(
     tag: str,
     explain: bool = False,
     procs: list[int] | None = None,
+    knobs: bool = False,
 ) -> dict[tuple[int, int, int], list[dict]]:
     """Burn-downs: for each rep, N, workers (and process count), a fresh database,
     `publish_many` of N, an untimed ANALYZE, then the drain. Without `procs` ONE
     consumer child (optionally with EXPLAIN); with `procs` that many consumer
-    processes started together (`consume_procs`)."""
+    processes started together (`consume_procs`). With `knobs` the consumers get
+    --handler-ms and --prefetch."""
     raw: dict[tuple[int, int, int], list[dict]] = defaultdict(list)
     for rep in range(args.reps):
         for n in ns:
             for w in workers:
+                copts = consumer_opts(args, w) if knobs else {"workers": w}
                 for k in procs or [1]:
                     with srv.database(f"{tag}_{n}_{w}_{k}_{rep}") as dsn:
                         e = pgq_child("enqueue", dsn, n, {"payload": "i"}, args)
@@ -165,18 +175,22 @@ def _consume_runs(
                         if not e.get("ok"):
                             c = {"ok": False, "error": "enqueue failed"}
                         elif procs:
-                            c = consume_procs(dsn, n, w, k, args)
+                            c = consume_procs(dsn, n, copts, k, args)
                         else:
-                            opts = {"workers": w, "explain": explain and rep == 0}
+                            opts = {**copts, "explain": explain and rep == 0}
                             c = pgq_child("consume", dsn, n, opts, args)
                     run = {"rep": rep, "n": n, "workers": w, "procs": k, "enqueue": e, "consume": c}
-                    label = f"[{rep}] {tag} N={n:,} workers={w}" + (f" procs={k}" if procs else "")
+                    label = (
+                        f"[{rep}] {tag} N={n:,} workers={w}"
+                        + (f" procs={k}" if procs else "")
+                        + (knobs_label(args) if knobs else "")
+                    )
                     if e.get("ok") and c.get("ok"):
                         run["problems"] = exactly_once(n, c)
                         run["enqueue_msgs_s"] = n / e["enqueue_s"]
                         run["consume_msgs_s"] = n / c["consume_s"]
                         extra = (
-                            f", per process {c['per_proc_handled']}, start spread "
+                            f", per process {shares_text(c['per_proc_handled'])}, start spread "
                             f"{c['start_spread_s'] * 1e3:.0f} ms"
                             if procs and k > 1
                             else ""
@@ -196,7 +210,7 @@ def _consume_runs(
 
 def mode_consume(srv: Server, args: Any, report: dict) -> list[str]:
     """Burn-downs of N by --procs consumer processes of --workers each."""
-    raw = _consume_runs(srv, args, args.n, args.workers, "con", procs=args.procs)
+    raw = _consume_runs(srv, args, args.n, args.workers, "con", procs=args.procs, knobs=True)
     report["consume"] = {"raw": {f"{n}/{w}/{k}": v for (n, w, k), v in raw.items()}}
     return render.render_consume(raw, args)
 

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from scripts.bench.common import med
+from scripts.bench.common import med, prefetch_label, share_spread, shares_text
 from scripts.bench.harness import fail_text
 
 
@@ -22,6 +22,17 @@ def fmt(x: Any, nd: int = 0) -> str:
     if isinstance(x, float) and x != x:
         return "nan"
     return f"{x:,.{nd}f}"
+
+
+def consumer_text(args: Any) -> str:
+    """How pgq's consumers were set up beyond `workers`: prefetch and handler."""
+    pf = "prefetch default" if args.prefetch is None else f"`prefetch={args.prefetch}`"
+    handler = (
+        f"the handler appends the id to a list and sleeps {args.handler_ms:g} ms (`time.sleep`)"
+        if args.handler_ms
+        else "the handler appends the id to a list"
+    )
+    return f"{pf}, other settings default; {handler}"
 
 
 def plans_text(c: dict) -> str:
@@ -54,6 +65,17 @@ def render_compare(c: dict, args: Any) -> list[str]:
         f"msgs/s); fresh database per run; "
         f"{'untimed ANALYZE between enqueue and consume' if c['analyze'] else 'no ANALYZE'}."
     )
+    if args.handler_ms or args.prefetch is not None:
+        L.append("")
+        L.append(
+            f"pgq's consumers: {prefetch_label(args.prefetch)}"
+            + (
+                f"; handler sleeps {args.handler_ms:g} ms per message (the anchors' do not)"
+                if args.handler_ms
+                else ""
+            )
+            + "."
+        )
     L.append("")
     L.append(
         "| system | enqueue msgs/s | consume msgs/s (min–max) | consume wall s | consumer CPU µs/job "
@@ -114,7 +136,7 @@ def _compare_ratios(sy: dict[str, dict], n: int) -> list[str]:
                 f"{_paired(p['per_rep_enqueue'], sy[enq_ref]['per_rep_enqueue'])}, target ≥ 1.5"
             )
         parts.append(
-            f"consumer CPU {name} = **{p['consume_client_cpu_s'] * 1e6 / n:.0f} µs/msg**, target ≤ 15"
+            f"consumer CPU {name} = **{p['consume_client_cpu_s'] * 1e6 / n:.0f} µs/msg**, target ≤ 12"
         )
         if p.get("tail_s") is not None:
             parts.append(
@@ -174,7 +196,8 @@ def render_publish(raw: dict[str, list[dict]], n: int, args: Any) -> list[str]:
 
 
 def consume_table(raw: dict[tuple[int, int, int], list[dict]], procs: bool = False) -> list[str]:
-    """One row per (N, workers, processes): medians over the runs."""
+    """One row per (N, workers, processes): medians over the runs; the prefetch is the
+    one the first good run's Consumer used."""
     pcol = "consumer processes | " if procs else ""
     L = [
         f"| N | {pcol}workers (prefetch) | publish_many msgs/s | consume msgs/s (min–max) | consume wall s | "
@@ -192,8 +215,9 @@ def consume_table(raw: dict[tuple[int, int, int], list[dict]], procs: bool = Fal
             continue
         cm = [r["consume_msgs_s"] for r in good]
         probs = sorted({p for r in good for p in r["problems"]})
+        pf = good[0]["consume"].get("prefetch") or 2 * w
         L.append(
-            f"| {n:,} | {pc}{w} ({2 * w}) | {fmt(med([r['enqueue_msgs_s'] for r in good]))} "
+            f"| {n:,} | {pc}{w} ({pf}) | {fmt(med([r['enqueue_msgs_s'] for r in good]))} "
             f"| {fmt(med(cm))} ({fmt(min(cm))}–{fmt(max(cm))}) | {fmt(med([r['consume']['consume_s'] for r in good]), 2)} "
             f"| {fmt(med([r['consume'].get('tail_s') for r in good]), 2)} "
             f"| {fmt(med([r['consume']['consume_client_cpu_s'] * 1e6 / n for r in good]))} "
@@ -210,8 +234,8 @@ def render_consume(raw: dict[tuple[int, int, int], list[dict]], args: Any) -> li
     L.append(
         f'A backlog of N `{{"i": n}}` messages (published by `publish_many`, then an untimed '
         f"ANALYZE) drained by {', '.join(map(str, args.procs))} consumer PROCESS(ES) started together, "
-        f"each one `Consumer(...).run(until_empty=True)` with default settings except `workers`; "
-        f"the handler appends the id to a list. Each process imports, builds its Consumer and "
+        f"each one `Consumer(...).run(until_empty=True)` with `workers` as below, {consumer_text(args)}. "
+        f"Each process imports, builds its Consumer and "
         f"warms its pool, then waits for a common go. The clock runs from the first `run()` to "
         f"the last return (join, claims, acks, drain detection, shutdown, final frontier pass); "
         f"CPU is all consumer processes together. {args.reps} runs round-robin, median (min–max)."
@@ -221,15 +245,10 @@ def render_consume(raw: dict[tuple[int, int, int], list[dict]], args: Any) -> li
     multi = [(key, runs) for key, runs in raw.items() if key[2] > 1]
     if multi:
         L.append("")
-        L.append("Messages handled per process (each run):")
+        L.append("Messages handled per process (each run; % apart = (max − min) / mean share):")
         L.append("")
         for (n, w, k), runs in multi:
-            parts = [
-                f"{r['consume']['per_proc_handled']} (start spread {r['consume']['start_spread_s'] * 1e3:.0f} ms)"
-                for r in runs
-                if r["consume"].get("ok")
-            ]
-            L.append(f"- N = {n:,}, {k} × workers={w}: " + "; ".join(parts))
+            L.append(f"- N = {n:,}, {k} × workers={w}: " + _shares_line(runs))
     by = {
         (n, w, k): med([r["consume_msgs_s"] for r in runs if "consume_msgs_s" in r])
         for (n, w, k), runs in raw.items()
@@ -240,6 +259,19 @@ def render_consume(raw: dict[tuple[int, int, int], list[dict]], args: Any) -> li
             L.append("")
             L.append(f"{k} processes / 1 process (N = {n:,}, workers={w}) = **{v / one:.2f}**.")
     return L
+
+
+def _shares_line(runs: list[dict]) -> str:
+    """`shares 205/195, 5.0 % apart (start spread 3 ms); ...; widest 5.0 % apart`."""
+    good = [r["consume"] for r in runs if r["consume"].get("ok")]
+    parts = [
+        f"{shares_text(c['per_proc_handled'])} (start spread {c['start_spread_s'] * 1e3:.0f} ms)"
+        for c in good
+    ]
+    spreads = [s for c in good if (s := share_spread(c["per_proc_handled"])) is not None]
+    if len(spreads) > 1:
+        parts.append(f"widest {max(spreads):.1f} % apart")
+    return "; ".join(parts) or "no successful run"
 
 
 def render_backlog(
