@@ -20,6 +20,7 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    true,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -83,48 +84,36 @@ def claim(limit: int) -> Executable:
     return lease_picked(pick)
 
 
-def claimed_columns() -> dict[str, ColumnElement[Any]]:
-    """What a claim returns, by name, in order: the store maps rows from this list.
-
-    `epoch` is the group breaker's epoch as the claim saw it (one lookup per
-    statement): an attempt is filed under it, never under an older epoch the
-    member's gate may still believe in (an outage that opened and closed between
-    two of its heartbeats), so a failure after a close cannot fall into the
-    window that close refunds.
-    """
+def _epoch() -> ColumnElement[Any]:
+    """The group breaker's epoch as the claim saw it (one lookup per statement): an
+    attempt is filed under it, never under an older epoch the member's gate may still
+    believe in (an outage that opened and closed between two of its heartbeats), so a
+    failure after a close cannot fall into the window that close refunds."""
     br = t.breaker
-    epoch = select(br.c.epoch).where(br.c.group_id == bindparam("gid")).scalar_subquery()
-    return {
-        "message_id": d.c.message_id,
-        "lease_seq": d.c.lease_seq,
-        "attempts": d.c.attempts,
-        "key": m.c.key,
-        # as text: json.loads on str is the C fast path (the driver's jsonb
-        # loader decodes bytes through the slower pure-Python path)
-        "payload": cast(m.c.payload, Text),
-        "headers": cast(m.c.headers, Text),
-        "created_at": m.c.created_at,
-        "epoch": epoch,
-    }
+    return select(br.c.epoch).where(br.c.group_id == bindparam("gid")).scalar_subquery()
 
 
-CLAIMED = tuple(claimed_columns())
-"""The names of a claim's `RETURNING` columns, in order."""
+CLAIMED = (
+    *("message_id", "lease_seq", "attempts"),
+    *("key", "payload", "headers", "created_at", "epoch"),
+)
+"""The names of the columns a claim returns, in order (the store maps rows by them)."""
 
 
 def lease_picked(pick: Any) -> Executable:
     """Lease the rows of the CTE `pick` (a `message_id` column) to `:member` for `:lease`.
 
     Gives each row a fresh `lease_seq` token, so every claim is a new fence; returns
-    the rows joined with their messages, as `claimed_columns()` names them.
+    the rows with their messages, as `CLAIMED` names them. Each message is looked up
+    by its key, row by row (`OFFSET 0` keeps the planner from turning the lookups
+    into a scan of the whole message table: measured 3.5 of 8.2 ms per 100-row claim
+    at a 20,000 backlog on PostgreSQL 15). Payload and headers come as text:
+    json.loads on str is the C fast path (the driver's jsonb loader decodes bytes
+    through the slower pure-Python path).
     """
-    return (
+    leased = (
         update(d)
-        .where(
-            d.c.group_id == bindparam("gid"),
-            d.c.message_id == pick.c.message_id,
-            m.c.id == d.c.message_id,
-        )
+        .where(d.c.group_id == bindparam("gid"), d.c.message_id == pick.c.message_id)
         .values(
             state=t.LEASED,
             lease_owner=bindparam("member"),
@@ -132,8 +121,31 @@ def lease_picked(pick: Any) -> Executable:
             lease_expires_at=func.now() + bindparam("lease", type_=Interval),
             updated_at=func.now(),
         )
-        .returning(*(column.label(name) for name, column in claimed_columns().items()))
+        .returning(d.c.message_id, d.c.lease_seq, d.c.attempts)
+        .cte("leased")
     )
+    body = (
+        select(
+            m.c.key,
+            cast(m.c.payload, Text).label("payload"),
+            cast(m.c.headers, Text).label("headers"),
+            m.c.created_at,
+        )
+        .where(m.c.id == leased.c.message_id)
+        .offset(literal_column("0"))
+        .lateral("body")
+    )
+    columns = (
+        leased.c.message_id,
+        leased.c.lease_seq,
+        leased.c.attempts,
+        body.c.key,
+        body.c.payload,
+        body.c.headers,
+        body.c.created_at,
+        _epoch().label("epoch"),
+    )
+    return select(*columns).select_from(leased.join(body, true()))
 
 
 @cache
