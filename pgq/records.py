@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 StopReason = Literal["empty", "max_messages", "max_runtime", "signal", "breaker_open"]
 """Why a run ended. `signal`: asked to stop from outside (SIGTERM/SIGINT, `stop()`)."""
@@ -55,17 +55,18 @@ class RunSummary:
     refused: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class Lease:
-    """What fences a held row: the message and this claim's unique token."""
+class Lease(NamedTuple):
+    """What fences a held row: the message and this claim's unique token (a tuple:
+    made and hashed per row on the hot path, several times per message)."""
 
     id: int
     seq: int
 
 
-@dataclass(frozen=True, slots=True)
-class Claimed:
-    """A row this member holds a lease on: the message and its fencing token."""
+class Claimed(NamedTuple):
+    """A row this member holds a lease on: the message and its fencing token (a tuple:
+    one is made per claimed row, and a tuple is made ~3 times faster than a frozen
+    dataclass)."""
 
     message: Message
     seq: int
@@ -88,9 +89,9 @@ class Claimed:
         return Lease(self.message.id, self.seq)
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What became of one attempt, waiting for the acker to write it."""
+class Outcome(NamedTuple):
+    """What became of one attempt, waiting for the acker to write it (a tuple, like
+    `Claimed`: one per attempt)."""
 
     claimed: Claimed
     kind: OutcomeKind

@@ -139,7 +139,8 @@ class Acker(Role):
 
     def _settle(self, written: list[Outcome], applied: set[Lease]) -> None:
         m = self.member
-        refused = [o for o in written if o.claimed.lease not in applied]
+        leases = [o.claimed.lease for o in written]
+        refused = [o for o, lease in zip(written, leases, strict=True) if lease not in applied]
         for o in refused:
             logger.warning(
                 "outcome refused id=%d outcome=%s reason=lease lost (reclaimed by another member)",
@@ -147,6 +148,6 @@ class Acker(Role):
                 o.kind,
             )
             m.count_refused(o)
-        m.let_go([o.claimed.lease for o in written])
+        m.let_go(leases)
         with m.lock:
             m.outcomes_pending -= len(written)
