@@ -15,7 +15,8 @@ Layers, lowest first:
 Values: integers are ints; rates and quorums are numbers in (0, 1]; durations are
 seconds as int or float, or a duration string such as `"90s"`, `"5m"`, `"12h"`,
 `"7d"`, `"1h30m"` or `"250ms"`. Every loaded layer may also give numbers as strings
-(environment variables always do); `prefetch` also takes `"auto"` (2 × `workers`).
+(environment variables always do); `prefetch` also takes `"auto"` (2 × `workers`) and
+`"adaptive"` (follows the handlers' pace, from 2 × `workers` up to 4 × `batch_size`).
 `True` is not an integer. Constructing `Settings(...)` directly takes typed values
 only; parsing strings is the loaders' job.
 
@@ -96,7 +97,9 @@ _COUNT = "count"  # int >= 1
 _COUNT0 = "count0"  # int >= 0
 _DURATION = "duration"  # seconds, float > 0, or a duration string
 _FRACTION = "fraction"  # float in (0, 1]
-_PREFETCH = "prefetch"  # int >= 1, or None / "auto" for 2 × workers
+_PREFETCH = "prefetch"  # int >= 1, None / "auto" for 2 × workers, or "adaptive"
+ADAPTIVE = "adaptive"
+"""The `prefetch` value that lets the pool's bound follow the handlers' pace."""
 
 
 def _setting(default: object, kind: str) -> Any:
@@ -130,8 +133,9 @@ class Settings:
     """Idle fetchers poll this often when no NOTIFY arrives."""
     shutdown_grace: float = _setting(30.0, _DURATION)
     """On shutdown, how long running handlers may take to finish."""
-    prefetch: int | None = _setting(None, _PREFETCH)
-    """Most unstarted rows held in the buffered-claim pool; None means 2 × workers."""
+    prefetch: int | str | None = _setting(None, _PREFETCH)
+    """Most unstarted rows held in the buffered-claim pool; None means 2 × workers;
+    "adaptive" follows the handlers' pace (2 × workers up to 4 × batch_size)."""
     handler_timeout: float = _setting(300.0, _DURATION)
     """A handler running longer fails as systemic (TimeoutError)."""
     retention: float = _setting(604800.0, _DURATION)
@@ -176,8 +180,9 @@ class Settings:
 
     @property
     def effective_prefetch(self) -> int:
-        """The pool's bound on unstarted rows: `prefetch`, or 2 × `workers` if unset."""
-        return self.prefetch if self.prefetch is not None else 2 * self.workers
+        """The pool's bound on unstarted rows: `prefetch`, or 2 × `workers` if unset
+        (and where an adaptive bound starts)."""
+        return self.prefetch if isinstance(self.prefetch, int) else 2 * self.workers
 
     def as_dict(self) -> dict[str, Any]:
         """Every setting in keyword spelling and field order (`prefetch` may be None).
@@ -283,8 +288,8 @@ _DURATION_HELP = "a number of seconds or a duration such as '90s', '5m', '1h30m'
 def _check_value(name: str, value: object, origin: _Origin) -> Any:
     """Type and range of one typed value; returns it normalized (floats as float)."""
     kind = _FIELDS[name].metadata["kind"]
-    if kind == _PREFETCH and value is None:
-        return None
+    if kind == _PREFETCH and (value is None or value == ADAPTIVE):
+        return value
     if kind in (_COUNT, _COUNT0, _PREFETCH):
         if isinstance(value, bool) or not isinstance(value, int):
             raise _invalid(origin, "must be an integer")
@@ -317,8 +322,8 @@ def _parse(name: str, raw: object, origin: _Origin) -> Any:
     if isinstance(raw, str):
         text = raw.strip()
         try:
-            if kind == _PREFETCH and text == "auto":
-                value = None
+            if kind == _PREFETCH and text in ("auto", ADAPTIVE):
+                value = None if text == "auto" else ADAPTIVE
             elif kind in (_COUNT, _COUNT0, _PREFETCH):
                 value = int(_ascii(text, _INTEGER))
             elif kind == _DURATION:
@@ -329,7 +334,7 @@ def _parse(name: str, raw: object, origin: _Origin) -> Any:
             reason = {
                 _COUNT: "must be an integer",
                 _COUNT0: "must be an integer",
-                _PREFETCH: "must be an integer or 'auto'",
+                _PREFETCH: "must be an integer, 'auto' or 'adaptive'",
                 _DURATION: f"must be {_DURATION_HELP}",
                 _FRACTION: "must be a number",
             }[kind]

@@ -24,7 +24,7 @@ KINDS = {
     "count0": "integer ≥ 0",
     "duration": "duration",
     "fraction": "number in (0, 1]",
-    "prefetch": "integer ≥ 1, or `auto` (2 × workers)",
+    "prefetch": "integer ≥ 1, `auto` (2 × workers) or `adaptive`",
 }
 
 HEADER = """\

@@ -25,7 +25,7 @@ from pgq.consumer.runtime import Runtime
 from pgq.errors import DatabaseUnavailable, DuplicateMember, UsageError
 from pgq.names import check_member_name, check_name
 from pgq.records import GroupInfo, Message, RunSummary, StopReason
-from pgq.settings import Settings, load_settings
+from pgq.settings import ADAPTIVE, Settings, load_settings
 from pgq.store import GroupStore, group_info, member_engine, member_lock, run_once
 from pgq.store.privileges import require_consumer_privileges
 
@@ -217,11 +217,11 @@ class Consumer:
         self._gate, self._runtime = gate, runtime
         runtime.start()
         logger.info(
-            "member joined group=%s member=%s workers=%d prefetch=%d",
+            "member joined group=%s member=%s workers=%d prefetch=%s",
             self.group,
             self.name,
             s.workers,
-            s.effective_prefetch,
+            s.prefetch if s.prefetch == ADAPTIVE else s.effective_prefetch,
         )
         if self._early_stop is not None:
             member.request_stop(self._early_stop)

@@ -15,8 +15,10 @@ import time
 
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
+from pgq.consumer.prefetch import AdaptivePrefetch
 from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.records import Claimed
+from pgq.settings import ADAPTIVE
 from pgq.store import Listener, RoleConnection
 
 logger = logging.getLogger("pgq.consumer")
@@ -37,6 +39,12 @@ class Fetcher(Role):
         """Set by other threads to make an idle fetcher claim at once."""
         self._retries_until: float | None = None
         """With `wait_retries`: the monotonic time up to which due retries are waited for."""
+        s = member.settings
+        self.adaptive = (
+            AdaptivePrefetch(s.effective_prefetch, 4 * s.batch_size, s.lease)
+            if s.prefetch == ADAPTIVE
+            else None
+        )
 
     def work(self) -> None:
         m = self.member
@@ -54,6 +62,11 @@ class Fetcher(Role):
         capacity = m.pool.capacity
         want = max(1, min(m.settings.batch_size, capacity) // 2)
         while not m.stop_claiming.is_set():
+            if self.adaptive is not None:
+                bound = self.adaptive.observe(m.tally.handled)
+                if bound is not None:
+                    m.pool.resize(bound)
+                    capacity, want = bound, max(1, min(m.settings.batch_size, bound) // 2)
             mode = "closed" if m.until_empty and gate.local.is_open else None
             mode = mode or gate.claim_mode()
             if mode != "normal":

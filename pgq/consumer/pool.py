@@ -87,6 +87,13 @@ class ClaimPool(Generic[T]):
                     self._filled.notify()
             return max(0, self.capacity - len(self._items))
 
+    def resize(self, capacity: int) -> None:
+        """A new bound on buffered rows (an adaptive prefetch); rows above it stay
+        buffered and are taken as usual, the fetcher claims only into free slots."""
+        with self._filled:
+            self.capacity = capacity
+            self._emptied.notify_all()
+
     def drain(self) -> list[T]:
         """Remove and return every buffered row."""
         with self._filled:

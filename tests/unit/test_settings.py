@@ -174,6 +174,16 @@ def test_prefetch_auto_and_none() -> None:
     assert s.prefetch is None and s.effective_prefetch == 16
 
 
+def test_prefetch_adaptive_from_every_layer(tmp_path: Path) -> None:
+    assert load_settings(env={"PGQ_PREFETCH": "adaptive"}).prefetch == "adaptive"
+    assert load_settings(overrides={"prefetch": "adaptive"}, env={}).prefetch == "adaptive"
+    path = write(tmp_path, '[consumer]\nprefetch = "adaptive"\n')
+    assert load_settings(path, env={}).prefetch == "adaptive"
+    s = Settings(prefetch="adaptive", workers=3)
+    assert s.effective_prefetch == 6  # where the adaptive bound starts
+    assert Settings(**s.as_dict()) == s
+
+
 def test_strings_are_parsed_from_every_layer(tmp_path: Path) -> None:
     path = write(tmp_path, '[consumer]\nworkers = "6"\n[breaker]\nquorum = "0.75"\n')
     s = load_settings(path, env={"PGQ_BREAKER_FAILURE_RATE": "0.3"}, overrides={"batch_size": "7"})

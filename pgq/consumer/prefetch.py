@@ -1,0 +1,56 @@
+"""The adaptive prefetch (`prefetch = "adaptive"`): the pool's bound follows the handlers.
+
+Fast handlers want big claims (hundreds of rows per round trip); slow ones want a
+small buffer, so idle members of the group can take the rows. The bound is what
+the workers finish in `HORIZON` seconds at the pace they have been finishing rows,
+between 2 × `workers` and 4 × `batch_size`, and never more than they start within a
+quarter of the lease. The fetcher asks before each claim; the clock is injectable.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+HORIZON = 0.05
+"""Seconds of work the pool holds at the observed pace."""
+
+WINDOW = 0.05
+"""Shortest stretch over which the pace is measured."""
+
+SMOOTHING = 0.5
+"""Weight of the newest window in the pace (an exponential moving average)."""
+
+
+class AdaptivePrefetch:
+    """The pool's bound on unstarted rows, from the pace rows are finished."""
+
+    def __init__(
+        self, low: int, high: int, lease: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.low, self.high = low, max(low, high)
+        self.lease = lease
+        self.clock = clock
+        self.bound = low
+        self.pace: float | None = None
+        """Rows finished per second (smoothed); None before the first window."""
+        self._at = clock()
+        self._finished = 0
+
+    def observe(self, finished: int) -> int | None:
+        """`finished`: the member's count of finished rows so far. Returns the new
+        bound when it changed, else None."""
+        now = self.clock()
+        elapsed = now - self._at
+        if elapsed < WINDOW:
+            return None
+        pace = (finished - self._finished) / elapsed
+        self._at, self._finished = now, finished
+        self.pace = pace if self.pace is None else SMOOTHING * pace + (1 - SMOOTHING) * self.pace
+        bound = min(self.high, max(self.low, math.ceil(self.pace * HORIZON)))
+        bound = min(bound, max(self.low, math.floor(self.pace * self.lease / 4)))
+        if bound == self.bound:
+            return None
+        self.bound = bound
+        return bound

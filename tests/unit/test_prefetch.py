@@ -1,0 +1,79 @@
+"""The adaptive prefetch's bound, with an injected clock (pgq/consumer/prefetch.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pgq.consumer.prefetch import HORIZON, WINDOW, AdaptivePrefetch
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def paced(pace: float, *, low: int = 16, high: int = 400, lease: float = 30.0) -> int:
+    """The bound after rows finished at `pace` per second for a few windows."""
+    clock = Clock()
+    prefetch = AdaptivePrefetch(low, high, lease, clock)
+    finished = 0.0
+    for _ in range(20):
+        clock.now += WINDOW
+        finished += pace * WINDOW
+        prefetch.observe(int(finished))
+    return prefetch.bound
+
+
+def test_it_starts_at_the_low_bound_and_waits_a_window_before_changing() -> None:
+    clock = Clock()
+    prefetch = AdaptivePrefetch(16, 400, 30.0, clock)
+    assert prefetch.bound == 16
+    clock.now += WINDOW / 2
+    assert prefetch.observe(10_000) is None  # too short a stretch to measure
+    clock.now += WINDOW / 2
+    assert prefetch.observe(10_000) == 400
+    assert prefetch.bound == 400
+
+
+def test_fast_handlers_get_the_high_bound() -> None:
+    assert paced(20_000) == 400
+
+
+def test_slow_handlers_keep_the_low_bound() -> None:
+    # 2 members × 8 workers × 100 ms handlers: 80 rows/s per member
+    assert paced(80) == 16
+
+
+def test_in_between_the_bound_holds_the_horizon_of_work() -> None:
+    assert paced(2_000) == pytest.approx(2_000 * HORIZON, abs=1)
+
+
+def test_the_lease_caps_the_bound() -> None:
+    # 4,000 rows/s would want 200 buffered, but a 0.1 s lease only lets 100 start in time
+    assert paced(4_000, lease=0.1) == 100
+
+
+def test_an_unchanged_bound_reports_nothing() -> None:
+    clock = Clock()
+    prefetch = AdaptivePrefetch(16, 400, 30.0, clock)
+    clock.now += WINDOW
+    assert prefetch.observe(0) is None  # idle: stays at the low bound
+
+
+def test_the_bound_falls_back_when_the_pace_drops() -> None:
+    clock = Clock()
+    prefetch = AdaptivePrefetch(16, 400, 30.0, clock)
+    finished = 0
+    for _ in range(5):
+        clock.now += WINDOW
+        finished += 1_000
+        prefetch.observe(finished)
+    assert prefetch.bound == 400
+    for _ in range(20):
+        clock.now += WINDOW
+        finished += 4
+        prefetch.observe(finished)
+    assert prefetch.bound == 16
