@@ -32,15 +32,19 @@ def floats(text: str) -> list[float]:
 
 
 def prefetch(text: str) -> int | str:
-    """`--prefetch`: an integer >= 1 or the word `auto` (2 × workers), as `Consumer` takes it."""
-    if text.strip().lower() == "auto":
-        return "auto"
+    """`--prefetch`: an integer >= 1, `auto` (2 × workers) or `adaptive`, as `Consumer`
+    takes it."""
+    word = text.strip().lower()
+    if word in ("auto", "adaptive"):
+        return word
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer or 'auto': {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"not an integer, 'auto' or 'adaptive': {text!r}"
+        ) from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1 or 'auto': {text!r}")
+        raise argparse.ArgumentTypeError(f"must be >= 1, 'auto' or 'adaptive': {text!r}")
     return value
 
 
@@ -142,7 +146,7 @@ def parser() -> argparse.ArgumentParser:
         type=prefetch,
         default=None,
         metavar="P",
-        help="consume/compare: pgq Consumer(prefetch=P), an integer or 'auto' "
+        help="consume/compare: pgq Consumer(prefetch=P), an integer, 'auto' or 'adaptive' "
         "(default: not passed, the Consumer's own default)",
     )
     ap.add_argument(
