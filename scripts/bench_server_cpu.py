@@ -55,7 +55,8 @@ import psutil  # noqa: E402
 import psycopg  # noqa: E402
 
 from scripts.bench import dbstate  # noqa: E402
-from scripts.bench.common import READY, SCHEMA, log  # noqa: E402
+from scripts.bench.cli import prefetch  # noqa: E402
+from scripts.bench.common import READY, SCHEMA, log, prefetch_label  # noqa: E402
 from scripts.bench.harness import child_command, parse_result, run_cmd  # noqa: E402
 
 TICK_NS = 1e9 / os.sysconf("SC_CLK_TCK")
@@ -228,6 +229,8 @@ def drain(pg: Any, name: str, args: argparse.Namespace, with_statements: bool) -
         postmaster = pg.get_pid()
         wait_gone(postmaster, name)  # only the consumer's backends from here on
         opts = {"workers": args.workers, "barrier": True}
+        if args.prefetch is not None:
+            opts["prefetch"] = args.prefetch
         p = subprocess.Popen(
             child_command("consume", dsn, n, opts, 1000),
             stdin=subprocess.PIPE,
@@ -282,7 +285,8 @@ def render(runs: list[dict], stmt: dict | None, args: argparse.Namespace) -> str
     lines = [
         "## server CPU per consumed message",
         "",
-        f"One pgq Consumer (workers={args.workers}, other settings default, "
+        f"One pgq Consumer (workers={args.workers}, {prefetch_label(args.prefetch)}, "
+        "other settings default, "
         f"`run(until_empty=True)`, no-op handler) draining N = {n:,} on a fresh embedded "
         "PostgreSQL; server CPU = every server process's CPU from the go to the consumer's "
         "exit (`/proc/<pid>/schedstat`; exited backends through the postmaster's "
@@ -369,6 +373,12 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=20000, help="messages per run (default 20000)")
     ap.add_argument("--reps", type=int, default=3, help="runs on the default server (default 3)")
     ap.add_argument("--workers", type=int, default=8, help="Consumer workers (default 8)")
+    ap.add_argument(
+        "--prefetch",
+        type=prefetch,
+        default=None,
+        help="Consumer prefetch: an integer, 'auto' or 'adaptive' (default: not passed)",
+    )
     ap.add_argument(
         "--no-statements",
         dest="statements",
