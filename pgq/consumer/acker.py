@@ -1,4 +1,5 @@
-"""The acker thread: writes outcomes in batches, one transaction per batch.
+"""The acker thread: writes outcomes in batches, one statement per batch (two when
+it mixes successes and failures), each committing by itself.
 
 Outcomes that cannot be written because the database is away stay in memory
 and are written when it is back. An outcome the database refuses (the lease
@@ -99,11 +100,20 @@ class Acker(Role):
             conn.close()
 
     def _write(self, conn: RoleConnection, outcomes: list[Outcome]) -> set[Lease]:
-        """Write a batch; if the database refuses it (not an outage), write the outcomes
-        one by one so one bad outcome cannot take the others with it."""
+        """Write a batch: its successes, then its failures, each one statement that
+        commits by itself (so a retry after an outage never rewrites what committed)."""
+        done = [o for o in outcomes if o.kind == "done"]
+        if len(done) in (0, len(outcomes)):
+            return self._write_part(conn, outcomes)
+        failed = [o for o in outcomes if o.kind != "done"]
+        return self._write_part(conn, done) | self._write_part(conn, failed)
+
+    def _write_part(self, conn: RoleConnection, outcomes: list[Outcome]) -> set[Lease]:
+        """Write outcomes of one statement; if the database refuses them (not an
+        outage), write them one by one so one bad outcome cannot take the others with it."""
         store = self.member.store
         try:
-            return conn.retrying(store.record, outcomes)
+            return conn.retrying(store.record, outcomes, single=True)
         except DatabaseUnavailable:
             raise
         except PgqError as exc:
@@ -113,7 +123,7 @@ class Acker(Role):
         applied: set[Lease] = set()
         for outcome in outcomes:
             try:
-                applied |= conn.retrying(store.record, [outcome])
+                applied |= conn.retrying(store.record, [outcome], single=True)
             except DatabaseUnavailable:
                 raise
             except PgqError as exc:
@@ -128,7 +138,7 @@ class Acker(Role):
             outcome.claimed, ValueError(f"pgq could not record the outcome: {exc}")
         )
         try:
-            return conn.retrying(self.member.store.record, [replacement])
+            return conn.retrying(self.member.store.record, [replacement], single=True)
         except DatabaseUnavailable:
             raise
         except PgqError as again:

@@ -93,7 +93,7 @@ class Fetcher(Role):
             if limit <= 0 or m.stop_claiming.is_set() or gate.is_open():
                 continue  # the gate may have closed while we waited for space
             try:
-                rows = self.conn.retrying(m.store.claim, limit, gate.epoch)
+                rows = self.conn.retrying(m.store.claim, limit, gate.epoch, single=True)
             except DatabaseUnavailable:
                 return
             if rows:

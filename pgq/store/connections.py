@@ -24,6 +24,7 @@ from typing import Any, TypeVar, cast
 
 import psycopg
 from psycopg import sql as psql
+from psycopg.pq import TransactionStatus
 from sqlalchemy import Connection, Engine
 from sqlalchemy.sql import ClauseElement, Executable
 from tenacity import Retrying, retry_if_exception, wait_exponential
@@ -53,10 +54,12 @@ KEEP_SHARE = 1 / 3
 class RoleConnection:
     """The one connection a consumer thread role owns.
 
-    `run(fn)` calls `fn(conn)` inside a transaction. When the database is
-    unreachable the connection is thrown away (the next call opens a new one)
-    and `DatabaseUnavailable` is raised; `retrying(fn)` retries that with
-    exponential backoff until it works or `stop` is set.
+    `run(fn)` calls `fn(conn)` inside a transaction; `run(fn, single=True)` is
+    for an `fn` that runs exactly one hot statement (`run_hot`): it runs in
+    autocommit, one round trip instead of three (BEGIN, the statement, COMMIT).
+    When the database is unreachable the connection is thrown away (the next
+    call opens a new one) and `DatabaseUnavailable` is raised; `retrying(fn)`
+    retries that with exponential backoff until it works or `stop` is set.
     """
 
     def __init__(self, engine: Engine, role: str, stop: threading.Event) -> None:
@@ -65,25 +68,28 @@ class RoleConnection:
         self.stop = stop
         self._conn: Connection | None = None
 
-    def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(conn, *args)` in one transaction on this role's connection."""
+    def run(self, fn: Callable[..., T], *args: Any, single: bool = False) -> T:
+        """`fn(conn, *args)` in one transaction on this role's connection (`single`:
+        `fn` runs one hot statement, which commits by itself)."""
         try:
             with wrap_errors():
                 if self._conn is None:
                     self._conn = self.engine.connect()
+                if single:
+                    return _autocommitted(self._conn, fn, *args)
                 with self._conn.begin():
                     return fn(self._conn, *args)
         except DatabaseUnavailable:
             self._discard()
             raise
 
-    def retrying(self, fn: Callable[..., T], *args: Any) -> T:
+    def retrying(self, fn: Callable[..., T], *args: Any, single: bool = False) -> T:
         """`run(fn, *args)`, retried with backoff while the database is unavailable.
 
         Gives up (re-raising) once the role's stop event is set.
         """
         try:
-            return self.run(fn, *args)  # the common case, without tenacity's overhead
+            return self.run(fn, *args, single=single)  # the common case, without tenacity
         except DatabaseUnavailable:
             if self.stop.is_set():
                 raise
@@ -105,7 +111,7 @@ class RoleConnection:
             ),
             reraise=True,
         )
-        return retryer(self.run, fn, *args)
+        return retryer(self.run, fn, *args, single=single)
 
     def _discard(self) -> None:
         conn, self._conn = self._conn, None
@@ -122,6 +128,24 @@ class RoleConnection:
         if conn is not None:
             with contextlib.suppress(Exception):
                 conn.close()
+
+
+def _autocommitted(conn: Connection, fn: Callable[..., T], *args: Any) -> T:
+    """`fn(conn, *args)` with the driver in autocommit: `fn` must run its statements
+    through `run_hot` (on the driver, outside SQLAlchemy's transaction), each of
+    which then commits by itself."""
+    driver = conn.connection.driver_connection
+    assert driver is not None
+    driver.autocommit = True
+    try:
+        return fn(conn, *args)
+    finally:
+        if driver.closed:
+            pass  # broken: the caller discards it (the error in flight says why)
+        elif driver.info.transaction_status != TransactionStatus.IDLE:
+            conn.invalidate()  # never hand out a connection left in autocommit
+        else:
+            driver.autocommit = False
 
 
 def run_once(engine: Engine, fn: Callable[..., T], *args: Any) -> T:
@@ -154,7 +178,9 @@ def run_hot(conn: Connection, stmt: Executable, params: dict[str, Any]) -> list[
 
     The Core statement is compiled once per schema (`driver_sql`), so each call
     skips SQLAlchemy's per-execution work; it still runs in the SQLAlchemy
-    connection's transaction. Returns the rows as tuples.
+    connection's transaction (or, under `RoleConnection.run(..., single=True)`,
+    commits by itself). Every hot statement has a RETURNING list: returns its rows
+    as tuples.
     """
     sql, defaults = driver_sql(conn, stmt)
     driver = conn.connection.driver_connection
@@ -164,7 +190,7 @@ def run_hot(conn: Connection, stmt: Executable, params: dict[str, Any]) -> list[
         # each time costs ~1 ms of server CPU per batch. The plan is only as good
         # as the table's statistics, which the maintenance thread keeps fresh.
         cur.execute(sql, {**defaults, **params})
-        return cur.fetchall() if cur.description else []
+        return cur.fetchall()
 
 
 def probe_lock_key(schema: str, group: str) -> int:

@@ -242,7 +242,8 @@ class GroupStore:
     # -- outcomes -----------------------------------------------------------
 
     def record(self, conn: Connection, outcomes: list[Outcome]) -> set[Lease]:
-        """Write a batch of outcomes in this transaction; returns the leases applied."""
+        """Write a batch of outcomes (one statement per kind: successes, failures);
+        returns the leases applied."""
         done = [o.claimed.lease for o in outcomes if o.kind == "done"]
         failed = [o for o in outcomes if o.kind != "done"]
         applied: set[Lease] = set()
