@@ -95,8 +95,15 @@ def _wait_for(pred: Callable[[], bool], timeout: float, step: float = 0.01) -> f
 class _Running:
     """A Consumer running in a background thread (for latency/sustained/tablesize)."""
 
-    def __init__(self, engine: Any, handler: Callable[[pgq.Message], None], workers: int) -> None:
-        self.consumer = pgq.Consumer(engine, GROUP, handler, workers=workers)
+    def __init__(
+        self,
+        engine: Any,
+        handler: Callable[[pgq.Message], None],
+        workers: int,
+        prefetch: int | str | None = None,
+    ) -> None:
+        extra = {"prefetch": prefetch} if prefetch is not None else {}
+        self.consumer = pgq.Consumer(engine, GROUP, handler, workers=workers, **extra)
         self.summary: pgq.RunSummary | None = None
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -486,7 +493,7 @@ def child_tablesize(dsn: str, n: int, opts: dict) -> dict:
     publish(0, first)
     if opts.get("analyze", True):
         dbstate.analyze(dsn)
-    run = _Running(engine, handler, workers).start()
+    run = _Running(engine, handler, workers, opts.get("prefetch")).start()
     done = first
     while True:
         handled = _wait_for(lambda t=done: seen[0] >= t, 1800.0, 0.05)

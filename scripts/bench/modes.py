@@ -219,7 +219,7 @@ def mode_backlog(srv: Server, args: Any, report: dict) -> list[str]:
     """Drain a small and a big backlog, with EXPLAINs of the claim and the ack."""
     ns = args.n if len(args.n) > 1 else [20_000, args.n[0] if args.n[0] != 20_000 else 1_000_000]
     w = args.workers[:1]
-    raw = _consume_runs(srv, args, ns, w, "bl", explain=True)
+    raw = _consume_runs(srv, args, ns, w, "bl", explain=True, knobs=True)
     report["backlog"] = {"raw": {f"{n}/{ww}": v for (n, ww, _), v in raw.items()}}
     return render.render_backlog(raw, ns, w[0], args)
 
@@ -274,7 +274,7 @@ def mode_sustained(srv: Server, args: Any, report: dict) -> list[str]:
 
 def mode_tablesize(srv: Server, args: Any, report: dict) -> list[str]:
     """--total messages in --chunk chunks through one long-running consumer."""
-    opts = {"chunk": args.chunk, "workers": args.workers[0], "analyze": args.analyze}
+    opts = {**consumer_opts(args, args.workers[0]), "chunk": args.chunk, "analyze": args.analyze}
     long = argparse.Namespace(**{**vars(args), "timeout": max(args.timeout, 3600)})
     with srv.database("tablesize") as dsn:
         r = pgq_child("tablesize", dsn, args.total, opts, long)
