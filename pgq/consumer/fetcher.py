@@ -65,7 +65,7 @@ class Fetcher(Role):
             if self.adaptive is not None:
                 bound = self.adaptive.observe(m.tally.handled)
                 if bound is not None:
-                    m.pool.resize(bound)
+                    self.release(m.pool.resize(bound))  # handlers slowed: no hoarding
                     capacity, want = bound, max(1, min(m.settings.batch_size, bound) // 2)
             mode = "closed" if m.until_empty and gate.local.is_open else None
             mode = mode or gate.claim_mode()

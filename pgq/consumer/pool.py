@@ -87,12 +87,16 @@ class ClaimPool(Generic[T]):
                     self._filled.notify()
             return max(0, self.capacity - len(self._items))
 
-    def resize(self, capacity: int) -> None:
-        """A new bound on buffered rows (an adaptive prefetch); rows above it stay
-        buffered and are taken as usual, the fetcher claims only into free slots."""
+    def resize(self, capacity: int) -> list[T]:
+        """A new bound on buffered rows (an adaptive prefetch); returns the rows above
+        it, the most recently claimed ones, removed for the caller to hand back."""
         with self._filled:
             self.capacity = capacity
+            excess = []
+            while len(self._items) > capacity:
+                excess.append(self._items.pop()[1])
             self._emptied.notify_all()
+            return excess[::-1]
 
     def drain(self) -> list[T]:
         """Remove and return every buffered row."""

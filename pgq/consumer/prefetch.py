@@ -4,7 +4,13 @@ Fast handlers want big claims (hundreds of rows per round trip); slow ones want 
 small buffer, so idle members of the group can take the rows. The bound is what
 the workers finish in `HORIZON` seconds at the pace they have been finishing rows,
 between 2 × `workers` and 4 × `batch_size`, and never more than they start within a
-quarter of the lease. The fetcher asks before each claim; the clock is injectable.
+quarter of the lease. The fetcher asks before each claim (and at least twice a
+second while the pool is full); the clock is injectable.
+
+A rising pace is smoothed; a falling one is taken at once, and the fetcher hands
+back unstarted the buffered rows above a lower bound: when handlers slow down,
+the rows the member buffered for the fast ones go to the group at once instead
+of waiting for its slow workers (the risk of a big buffer is hoarding).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ WINDOW = 0.05
 """Shortest stretch over which the pace is measured."""
 
 SMOOTHING = 0.5
-"""Weight of the newest window in the pace (an exponential moving average)."""
+"""Weight of the newest window in a rising pace (an exponential moving average)."""
 
 
 class AdaptivePrefetch:
@@ -47,7 +53,10 @@ class AdaptivePrefetch:
             return None
         pace = (finished - self._finished) / elapsed
         self._at, self._finished = now, finished
-        self.pace = pace if self.pace is None else SMOOTHING * pace + (1 - SMOOTHING) * self.pace
+        if self.pace is None or pace < self.pace:
+            self.pace = pace
+        else:
+            self.pace = SMOOTHING * pace + (1 - SMOOTHING) * self.pace
         bound = min(self.high, max(self.low, math.ceil(self.pace * HORIZON)))
         bound = min(bound, max(self.low, math.floor(self.pace * self.lease / 4)))
         if bound == self.bound:

@@ -88,3 +88,45 @@ def test_a_member_that_starts_first_does_not_hoard_slow_rows(topic):
     still gets its part (a fixed prefetch of 400 leaves it nothing)."""
     handled = share(topic, "adaptive", 0.2)
     assert handled["b"] >= 160, handled
+
+
+def test_a_member_whose_handlers_slow_down_hands_back_its_buffer(topic):
+    """Fast handlers fill the buffer (hundreds of rows); then every handler takes
+    100 ms and a second member joins: the first hands back what it buffered for the
+    fast handlers, so the second gets its part of what is left (before: the first
+    kept ~240 rows and the second got ~25 %)."""
+    engine = topic
+    n, switch = 1_500, 1_100
+    for start in range(0, n, 500):
+        pgq.publish_many(engine, "t", [{"i": i} for i in range(start, start + 500)])
+    handled = {"a": 0, "b": 0}
+    lock = threading.Lock()
+    slow = threading.Event()
+
+    def run(name: str) -> None:
+        def handler(msg: pgq.Message) -> None:
+            with lock:
+                handled[name] += 1
+                if handled["a"] + handled["b"] >= switch:
+                    slow.set()
+            if slow.is_set():
+                time.sleep(0.1)
+
+        consumer = pgq.Consumer(
+            engine, "g", handler, name=name, prefetch="adaptive", poll_interval=0.1
+        )
+        consumer.run(until_empty=True)
+
+    a = threading.Thread(target=run, args=("a",))
+    a.start()
+    assert slow.wait(60), "the fast part never ended"
+    time.sleep(0.5)
+    with lock:
+        left = n - handled["a"] - handled["b"]
+    b = threading.Thread(target=run, args=("b",))
+    b.start()
+    for t in (a, b):
+        t.join(60)
+    assert not a.is_alive() and not b.is_alive()
+    assert handled["a"] + handled["b"] == n
+    assert handled["b"] >= 0.4 * left, (handled, left)

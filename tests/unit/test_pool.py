@@ -262,3 +262,12 @@ def test_the_fetcher_waiting_for_space_wakes_a_worker_for_an_overdue_row(make_po
     runner.join(fetcher)
     for thread in workers.values():
         runner.join(thread)
+
+
+def test_resize_hands_back_the_rows_above_the_new_bound_newest_first_out() -> None:
+    pool: ClaimPool[int] = ClaimPool(8)
+    pool.put_many(range(6))
+    assert pool.resize(4) == [4, 5]  # the most recently claimed rows
+    assert pool.capacity == 4 and len(pool) == 4
+    assert pool.resize(10) == []
+    assert [pool.take(0) for _ in range(4)] == [0, 1, 2, 3]
