@@ -111,9 +111,8 @@ class Acker(Role):
     def _write_part(self, conn: RoleConnection, outcomes: list[Outcome]) -> set[Lease]:
         """Write outcomes of one statement; if the database refuses them (not an
         outage), write them one by one so one bad outcome cannot take the others with it."""
-        store = self.member.store
         try:
-            return conn.retrying(store.record, outcomes, single=True)
+            return self._record(conn, outcomes)
         except DatabaseUnavailable:
             raise
         except PgqError as exc:
@@ -123,12 +122,27 @@ class Acker(Role):
         applied: set[Lease] = set()
         for outcome in outcomes:
             try:
-                applied |= conn.retrying(store.record, [outcome], single=True)
+                applied |= self._record(conn, [outcome])
             except DatabaseUnavailable:
                 raise
             except PgqError as exc:
                 applied |= self._write_refused(conn, outcome, exc)
         return applied
+
+    def _record(self, conn: RoleConnection, outcomes: list[Outcome]) -> set[Lease]:
+        """Write outcomes of one kind; the leases applied. When the connection broke
+        during the write, the statement may have committed all the same: after the
+        retry, the outcomes it did not apply are looked up, and those the database
+        shows settled by their own lease count as applied (not as refused)."""
+        store = self.member.store
+        try:
+            return conn.run(store.record, outcomes, single=True)
+        except DatabaseUnavailable:
+            if conn.stop.is_set():
+                raise
+        applied = conn.retrying(store.record, outcomes, single=True)
+        unseen = [o for o in outcomes if o.claimed.lease not in applied]
+        return applied | (conn.retrying(store.settled, unseen) if unseen else set())
 
     def _write_refused(self, conn: RoleConnection, outcome: Outcome, exc: PgqError) -> set[Lease]:
         """The database refused this outcome: record the attempt as a message failure
@@ -138,7 +152,7 @@ class Acker(Role):
             outcome.claimed, ValueError(f"pgq could not record the outcome: {exc}")
         )
         try:
-            return conn.retrying(self.member.store.record, [replacement], single=True)
+            return self._record(conn, [replacement])
         except DatabaseUnavailable:
             raise
         except PgqError as again:

@@ -18,10 +18,12 @@ from sqlalchemy import (
     Float,
     Integer,
     Text,
+    any_,
     bindparam,
     case,
     func,
     literal_column,
+    select,
     text,
     update,
 )
@@ -105,4 +107,19 @@ def record_failures() -> Executable:
             updated_at=func.now(),
         )
         .returning(d.c.message_id, d.c.lease_seq)
+    )
+
+
+@cache
+def settled() -> Executable:
+    """The rows of the leases `:ids`/`:seqs` of `:gid` that are no longer leased but
+    still carry those lease tokens (tokens are unique: only the holder's outcome or
+    an expiry sweep could have ended them): their state and attempts, from which the
+    caller tells its own outcome, written by a statement whose answer was lost, from
+    a reclaim."""
+    return select(d.c.message_id, d.c.lease_seq, d.c.state, d.c.attempts).where(
+        d.c.group_id == bindparam("gid"),
+        d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
+        d.c.lease_seq == any_(bindparam("seqs", type_=ARRAY(BigInteger))),
+        d.c.lease_owner.is_(None),
     )

@@ -266,6 +266,30 @@ class GroupStore:
             applied |= _leases(run_hot(conn, outcome_sql.record_failures(), params))
         return applied
 
+    def settled(self, conn: Connection, outcomes: list[Outcome]) -> set[Lease]:
+        """Of `outcomes` whose write was not seen to apply, the leases the database shows
+        settled exactly as their outcome says (a write that committed but whose answer
+        a cut connection lost): done rows for successes; for failures the state and
+        the attempt count the outcome sets (an expiry sweep leaves the count alone)."""
+        if not outcomes:
+            return set()
+        params = {
+            "gid": self.gid,
+            "ids": [o.claimed.id for o in outcomes],
+            "seqs": [o.claimed.seq for o in outcomes],
+        }
+        rows = {(r[0], r[1]): r for r in conn.execute(outcome_sql.settled(), params)}
+        found: set[Lease] = set()
+        for o in outcomes:
+            row = rows.get(o.claimed.lease)
+            if row is None:
+                continue
+            state = "done" if o.kind == "done" else "dead" if o.kind == "dead" else "ready"
+            charge = 0 if o.kind in ("done", "snooze") else 1
+            if row[2] == state and (o.kind == "done" or row[3] == o.claimed.attempts + charge):
+                found.add(o.claimed.lease)
+        return found
+
     # -- group breaker --------------------------------------------------------
 
     def breaker(self, conn: Connection) -> BreakerView:

@@ -437,3 +437,56 @@ def test_a_stale_failure_in_the_same_batch_as_the_current_one_does_not_apply(ord
     assert run_once(engine, store.record, outcomes) == {current.lease}
     row = rows(engine, "billing")[mid]
     assert (row.state, row.attempts, row.last_error) == ("ready", 1, "current")
+
+
+def test_outcomes_written_before_a_cut_are_not_counted_refused(orders, pg_dsn, schema):
+    """Every connection is cut again and again while a member writes outcomes of every
+    kind: a statement that committed but whose answer the cut lost is retried, finds
+    its leases settled, and must count them as applied, not "refused, lease lost"
+    (before: hundreds of false refusals, `done` short by as many)."""
+    from chaos.proxy import Proxy
+
+    engine = orders
+    n = 6_000
+    for start in range(0, n, 2_000):
+        pgq.publish_many(engine, "orders", [{"i": i} for i in range(start, start + 2_000)])
+    lock = threading.Lock()
+    calls: dict[int, int] = {}
+    succeeded = 0
+
+    def handler(msg: pgq.Message) -> None:
+        nonlocal succeeded
+        with lock:
+            calls[msg.id] = calls.get(msg.id, 0) + 1
+            first = calls[msg.id] == 1
+            if msg.id % 3 == 0 or not first:
+                succeeded += 1
+                return
+        if msg.id % 3 == 1:
+            raise ValueError("fails once")
+        raise pgq.RetryLater(0.01)
+
+    with Proxy.for_dsn(pg_dsn) as proxy:
+        through = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
+        consumer = pgq.Consumer(
+            through,
+            "billing",
+            handler,
+            prefetch="adaptive",
+            lease=10.0,
+            max_attempts=10,
+            **{**FAST, "retry_backoff": 0.01, "retry_backoff_max": 0.01},
+        )
+        out: list[pgq.RunSummary] = []
+        runner = threading.Thread(target=lambda: out.append(consumer.run(until_empty=True)))
+        runner.start()
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and runner.is_alive():
+            time.sleep(0.2)
+            proxy.cut()
+        runner.join(120)
+        through.dispose()
+    assert out, "the until_empty run did not finish"
+    (summary,) = out
+    assert summary.refused == 0, summary
+    assert summary.done == succeeded == n, (summary, succeeded)
