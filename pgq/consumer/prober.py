@@ -252,7 +252,8 @@ class Prober(Role):
             target=lambda: result.append(handling.run(row)), name=PROBE_THREAD, daemon=True
         )
         runner.start()
-        deadline, holding = self.clock() + timeout, True
+        deadline, holding, renewing = self.clock() + timeout, True, True
+        renewed = self.clock()
         while runner.is_alive():
             left = deadline - self.clock()
             if left <= 0:
@@ -265,14 +266,35 @@ class Prober(Role):
                     self.lock.check()
                 except LostLock:
                     holding = False
-            try:
-                self.conn.run(m.store.renew_probe, epoch, ttl)
-            except DatabaseUnavailable as cut:
-                logger.warning("probe slot not renewed id=%d error=%s", row.id, cut)
+            if renewing:
+                renewing = self._renew(row, epoch, renewed)
+                renewed = self.clock()
         if result:
             return result[0]
         exc = TimeoutError(f"probe ran longer than handler_timeout ({timeout:g}s)")
         return handling.failure(row, exc)
+
+    def _renew(self, row: Claimed, epoch: int, renewed: float) -> bool:
+        """Renew the probe slot (last renewed at `renewed`); False once it is lost for
+        good (the group moved on). A renewal that fails, or comes back later than the
+        slot lasts (the connection stalled), is logged: another member may have
+        probed meanwhile."""
+        ttl = self.member.settings.breaker_member_ttl
+        try:
+            kept = self.conn.run(self.member.store.renew_probe, epoch, ttl)
+        except DatabaseUnavailable as cut:
+            logger.warning("probe slot not renewed id=%d error=%s", row.id, cut)
+            return True
+        late = self.clock() - renewed
+        if not kept:
+            logger.warning("probe slot not renewed id=%d (the group moved on meanwhile)", row.id)
+        elif late > ttl:
+            logger.warning(
+                "probe slot not renewed in time id=%d after=%.1fs (another probe may have run)",
+                row.id,
+                late,
+            )
+        return kept
 
     def _reconcile(self, close_epoch: int, from_epoch: int) -> None:
         """Refund the rows the outage charged in bounded batches (resumable). Finished

@@ -138,10 +138,11 @@ class GroupStore:
                     return self._claimed(rows, epoch, probe=True)[0]
         return None
 
-    def renew_probe(self, conn: Connection, epoch: int, hold: float) -> None:
-        """Keep the probe slot of the OPEN `epoch` reserved for the next `hold` seconds."""
+    def renew_probe(self, conn: Connection, epoch: int, hold: float) -> bool:
+        """Keep the probe slot of the OPEN `epoch` reserved for the next `hold` seconds;
+        False when the group is no longer OPEN at `epoch`."""
         params = {"gid": self.gid, "at_epoch": epoch, "hold": dt.timedelta(seconds=hold)}
-        conn.execute(breaker_sql.reserve_probe(), params)
+        return bool(conn.execute(breaker_sql.reserve_probe(), params).rowcount)
 
     def probe_done(self, conn: Connection, row: Claimed) -> tuple[bool, int]:
         """Write a successful group probe (refunding its systemic charges): (written,

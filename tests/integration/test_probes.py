@@ -368,3 +368,30 @@ def test_after_a_lock_loss_only_one_probe_runs_at_a_time(topic, schema, pg_dsn, 
         assert later[0] >= earlier[1], ordered
     closes = [h for h in monitor.breaker_info(engine, "g")["history"] if h["state"] == "CLOSED"]
     assert len(closes) == 1
+
+
+def test_a_probe_slot_renewed_late_is_reported(topic, schema, consumers, caplog):
+    """The prober's renewal of its probe slot stalls past `member_ttl` (here: another
+    session holds the breaker row; in the field: a stalled connection): the slot
+    lapsed meanwhile and another member could have probed, so the prober says so
+    (before: the stalled renewal simply went through, silently)."""
+    engine = topic
+    pgq.publish_many(engine, "t", [{"i": i} for i in range(3)])
+    open_group(engine, schema)
+    started = threading.Event()
+
+    def handler(msg: pgq.Message) -> None:
+        if threading.current_thread().name == PROBE_THREAD:
+            started.set()
+            time.sleep(3.0)
+
+    caplog.set_level(logging.WARNING, logger="pgq.breaker")
+    consumers(engine, handler, name="a")
+    assert started.wait(20), "no probe started"
+    ttl = SHORT["breaker_member_ttl"]
+    with engine.connect() as blocker, blocker.begin():
+        blocker.exec_driver_sql(f'SELECT 1 FROM "{schema}".breaker FOR UPDATE')
+        time.sleep(ttl * 1.8)  # the renewal waits on the row meanwhile
+    wait_until(
+        lambda: "probe slot not renewed in time" in caplog.text, 10, "the late renewal's warning"
+    )
