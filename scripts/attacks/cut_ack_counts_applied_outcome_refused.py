@@ -59,8 +59,16 @@ def main() -> None:
             raise pgq.RetryLater(0.01)
 
         c = pgq.Consumer(
-            pe, "g", handle, name="m", prefetch="adaptive", lease=10, poll_interval=0.1,
-            retry_backoff=0.01, retry_backoff_max=0.01, max_attempts=10,
+            pe,
+            "g",
+            handle,
+            name="m",
+            prefetch="adaptive",
+            lease=10,
+            poll_interval=0.1,
+            retry_backoff=0.01,
+            retry_backoff_max=0.01,
+            max_attempts=10,
         )
         out: dict[str, pgq.RunSummary] = {}
         th = threading.Thread(target=lambda: out.setdefault("s", c.run(until_empty=True)))
