@@ -118,7 +118,7 @@ def _compare_ratios(sy: dict[str, dict], n: int) -> list[str]:
             continue
         p = sy[name]
         parts = []
-        for ref, target in (("pgqueuer-b100", 2.0), ("floor", 0.5), ("floor-2conn", None)):
+        for ref, target in (("pgqueuer-b100", 2.0), ("floor", 0.6), ("floor-2conn", None)):
             if ok(ref):
                 r = p["consume_msgs_s"] / sy[ref]["consume_msgs_s"]
                 t = f", target ≥ {target}" if target else ""
@@ -291,7 +291,7 @@ def render_backlog(
     if meds.get(small) and meds.get(big):
         L.append("")
         L.append(
-            f"Throughput at {big:,} / at {small:,} = **{meds[big] / meds[small]:.2f}** (target ≥ 0.80)."
+            f"Throughput at {big:,} / at {small:,} = **{meds[big] / meds[small]:.2f}** (target ≥ 0.90)."
         )
     for (n, _, _), runs in raw.items():
         c = runs[0]["consume"]
