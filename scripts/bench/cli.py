@@ -31,6 +31,14 @@ def floats(text: str) -> list[float]:
     return [float(t) for t in str(text).split(",") if t.strip()]
 
 
+def prefetches(text: str) -> list[int | str | None]:
+    """`--compare-prefetch`: comma-separated `prefetch` values; `default` = not passed."""
+    words = [t.strip() for t in text.split(",") if t.strip()]
+    if not words:
+        raise argparse.ArgumentTypeError("an empty list")
+    return [None if w.lower() == "default" else prefetch(w) for w in words]
+
+
 def prefetch(text: str) -> int | str:
     """`--prefetch`: an integer >= 1, `auto` (2 × workers) or `adaptive`, as `Consumer`
     takes it."""
@@ -140,6 +148,14 @@ def parser() -> argparse.ArgumentParser:
         metavar="MS",
         help="consume/compare: each pgq consumer's handler sleeps MS ms per message "
         "(default 0: a no-op handler; the anchors' handlers stay no-ops)",
+    )
+    ap.add_argument(
+        "--compare-prefetch",
+        type=prefetches,
+        default=None,
+        metavar="LIST",
+        help="compare: one pgq entry per prefetch in LIST, e.g. 'default,adaptive' "
+        "('default': not passed); overrides --prefetch there",
     )
     ap.add_argument(
         "--prefetch",

@@ -39,19 +39,31 @@ def knobs_label(args: Any) -> str:
     return f" {prefetch_label(args.prefetch)}{ms}"
 
 
+def entry_opts(args: Any, workers: int, prefetch: int | str | None) -> dict[str, Any]:
+    """A compare entry's consumer options: the flags', with this entry's prefetch
+    (None: not passed, the Consumer's default)."""
+    opts = consumer_opts(args, workers)
+    opts.pop("prefetch", None)
+    if prefetch is not None:
+        opts["prefetch"] = prefetch
+    return opts
+
+
 def mode_compare(srv: Server, args: Any, report: dict) -> list[str]:
-    """pgq (one entry per --workers value) and the anchors: publish, ANALYZE, drain."""
+    """pgq (one entry per --workers value, and per --compare-prefetch value) and the
+    anchors: publish, ANALYZE, drain."""
     n = args.n[0]
     names = args.systems.split(",") if args.systems else ANCHOR_SYSTEMS
     anchors = [s for s in names if s and s != "none"]
     if anchors:
         ensure_anchors_venv(args)
-    entries: list[tuple[str, Any]] = [(s, None) for s in anchors] + [
-        (pgq_name(w, args.prefetch), w) for w in args.workers
+    prefetches = args.compare_prefetch or [args.prefetch]
+    entries: list[tuple[str, Any, Any]] = [(s, None, None) for s in anchors] + [
+        (pgq_name(w, pf), w, pf) for w in args.workers for pf in prefetches
     ]
     raw: dict[str, list[dict]] = defaultdict(list)
     for rep in range(args.reps):
-        for name, w in entries:
+        for name, w, pf in entries:
             db = f"cmp_{name.replace('-', '_')}_{rep}"
             with srv.database(db) as dsn:
                 if w is None:
@@ -64,7 +76,7 @@ def mode_compare(srv: Server, args: Any, report: dict) -> list[str]:
                     c = (
                         anchor_child("consume", name, dsn, n, args)
                         if w is None
-                        else pgq_child("consume", dsn, n, consumer_opts(args, w), args)
+                        else pgq_child("consume", dsn, n, entry_opts(args, w, pf), args)
                     )
                 else:
                     c = {"ok": False, "error": "enqueue failed"}
@@ -88,7 +100,7 @@ def mode_compare(srv: Server, args: Any, report: dict) -> list[str]:
         "n": n,
         "reps": args.reps,
         "analyze": args.analyze,
-        "systems": {name: _compare_summary(raw[name]) for name, _ in entries},
+        "systems": {name: _compare_summary(raw[name]) for name, _, _ in entries},
         "anchor_versions": anchor_versions(args) if anchors else {},
         "raw": raw,
     }
