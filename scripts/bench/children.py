@@ -300,7 +300,8 @@ def child_consume(dsn: str, n: int, opts: dict) -> dict:
         out.update(dbstate.db_counts(dsn))  # with several processes the parent counts at the end
     if opts.get("explain"):
         out["explain_after"] = explain_paths(engine)
-    out["prefetch"] = consumer.settings.effective_prefetch
+    s = consumer.settings
+    out["prefetch"] = s.prefetch if s.prefetch == "adaptive" else s.effective_prefetch
     out["config"] = _consume_config(consumer.settings, opts)
     return out
 
