@@ -138,6 +138,10 @@ class Maintenance(Role):
     def refresh_statistics(self) -> None:
         self.conn.run(self.member.store.refresh_statistics)
 
+    def vacuum(self) -> None:
+        """VACUUM `delivery` when dead row versions dominate it (outside a transaction)."""
+        self.conn.run(self.member.store.vacuum_dead_rows, single=True)
+
     def prune(self) -> None:
         self.conn.run(self.member.store.prune_behind)
 

@@ -30,6 +30,9 @@ from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.records import RunSummary
 from pgq.store import SessionLock, run_once
 
+VACUUM_EVERY = 5.0
+"""Seconds between a member's checks whether `delivery` needs a VACUUM (decision 0021)."""
+
 logger = logging.getLogger("pgq.consumer")
 
 
@@ -55,6 +58,7 @@ class Runtime:
         self.maintenance.add("sweep", max(0.05, min(1.0, s.lease / 3)), self.maintenance.sweep)
         self.maintenance.add("frontier", 1.0, self.maintenance.advance_frontier)
         self.maintenance.add("statistics", 10.0, self.maintenance.refresh_statistics)
+        self.maintenance.add("vacuum", VACUUM_EVERY, self.maintenance.vacuum)
         self.maintenance.add("prune", 60.0, self.maintenance.prune)
         self.maintenance.add("retention", 60.0, self.maintenance.expire_messages)
         self.maintenance.add("forget-members", 60.0, self.maintenance.forget_members)

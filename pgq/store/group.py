@@ -36,6 +36,12 @@ ERROR_TEXT_MAX = 2000
 STATS_MIN_CHANGES = 1000
 STATS_CHANGED_SHARE = 0.2
 STATS_MIN_AGE = 30.0
+VACUUM_MIN_DEAD = 50_000
+"""Dead rows in `delivery` before a member vacuums it (and they must outnumber the
+live rows `VACUUM_DEAD_SHARE` times)."""
+VACUUM_DEAD_SHARE = 2.0
+VACUUM_MIN_AGE = 5.0
+"""Seconds since the last vacuum (anyone's) before a member vacuums again."""
 """ANALYZE delivery when at least 1,000 rows and 20 % of it changed since the last
 analyze, and that one is at least 30 s old (see `pgq.sql.stats`)."""
 
@@ -399,6 +405,26 @@ class GroupStore:
         assert driver is not None
         driver.execute(stats_sql.analyze(schema))
         logger.info("analyzed delivery schema=%s changed=%d live=%d", schema, changed, live)
+        return True
+
+    def vacuum_dead_rows(self, conn: Connection) -> bool:
+        """VACUUM the delivery table when dead row versions dominate it and this
+        session may (it owns the table); returns whether it did. Runs its statements
+        on the driver: the caller runs it outside a transaction (`single=True`),
+        which VACUUM needs."""
+        schema = schema_of(conn)
+        rows = run_hot(conn, stats_sql.delivery_dead(), {"relation": f'"{schema}".delivery'})
+        if not rows:
+            return False
+        dead, live, age, may = int(rows[0][0] or 0), int(rows[0][1] or 0), rows[0][2], rows[0][3]
+        if not may or dead < VACUUM_MIN_DEAD or dead < VACUUM_DEAD_SHARE * live:
+            return False
+        if age is not None and float(age) < VACUUM_MIN_AGE:
+            return False
+        driver = conn.connection.driver_connection
+        assert driver is not None
+        driver.execute(stats_sql.vacuum(schema))
+        logger.info("vacuumed delivery schema=%s dead=%d live=%d", schema, dead, live)
         return True
 
     def prune_behind(self, conn: Connection) -> int:
