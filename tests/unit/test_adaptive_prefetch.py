@@ -67,22 +67,6 @@ def test_an_unchanged_bound_reports_nothing() -> None:
     assert prefetch.observe(0) is None  # idle: stays at the low bound
 
 
-def test_the_bound_falls_back_when_the_pace_drops() -> None:
-    clock = Clock()
-    prefetch = AdaptivePrefetch(16, 400, 30.0, clock)
-    finished = 0
-    for _ in range(5):
-        clock.now += STEP
-        finished += 1_000
-        prefetch.observe(finished)
-    assert prefetch.bound == 400
-    for _ in range(20):
-        clock.now += STEP
-        finished += 4
-        prefetch.observe(finished)
-    assert prefetch.bound == 16
-
-
 def test_a_falling_pace_is_taken_at_once() -> None:
     """Hoarding is the risk of a big buffer: one slow window brings the bound down."""
     clock = Clock()
