@@ -20,45 +20,23 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import tempfile
 import time
-from pathlib import Path
 
-from _common import PGQ, Schema, states, verdict
-from probe_kill9_points import SET, TTL, wait
+from _common import Schema, states, verdict
+from _probes import Outage, wait
+from probe_kill9_points import SET, TTL
 
 import pgq
-from pgq import monitor
 
 CLOSE_WITHIN = TTL + 6.0
 problems: list[str] = []
-with Schema("cron_prober_killed") as s:
-    out = Path(tempfile.mkdtemp())
-    pgq.create_topic(s.engine, "t")
-    pgq.subscribe(s.engine, "g", "t")
-    ids = pgq.publish_many(s.engine, "t", [{"i": i} for i in range(60)])
-
-    def breaker() -> dict:
-        return pgq.status(s.engine, "g")["breaker"]
+with Schema("cron_prober_killed") as s, Outage(s, "probe_kill9_points:handler", SET) as o:
+    out, breaker = o.out, o.breaker
 
     def cron(name: str, timeout: float = 60) -> tuple[int | None, float]:
         began = time.monotonic()
         with (out / f"{name}.log").open("w") as err:
-            proc = subprocess.Popen(
-                [
-                    PGQ,
-                    "consume",
-                    "g",
-                    "--handler",
-                    "probe_kill9_points:handler",
-                    "--name",
-                    name,
-                    "--until-empty",
-                ],
-                env=s.env(TESTQ_DIR=out, TESTQ_TAG=name, ATK_PROBE_SLEEP="3", **SET),
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
+            proc = o.popen(name, "--until-empty", stderr=err, ATK_PROBE_SLEEP="3")
             try:
                 code = proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -68,12 +46,7 @@ with Schema("cron_prober_killed") as s:
         return code, time.monotonic() - began
 
     (out / "down").touch()
-    m0 = subprocess.Popen(
-        [PGQ, "consume", "g", "--handler", "probe_kill9_points:handler", "--name", "m0"],
-        env=s.env(TESTQ_DIR=out, TESTQ_TAG="m0", **SET),
-        stdout=subprocess.DEVNULL,
-        stderr=(out / "m0.log").open("w"),
-    )
+    m0 = o.popen("m0")
     try:
         if not wait(lambda: breaker()["state"] == "OPEN", 40):
             problems.append(f"setup: the group did not open: {breaker()}")
@@ -103,10 +76,7 @@ with Schema("cron_prober_killed") as s:
             problems.append("setup: no cron run took the kill")
         else:
             closed_after = next((i for i, r in enumerate(runs) if r[3] == "CLOSED"), None)
-            history = monitor.breaker_info(s.engine, "g")["history"]
-            closes = [h for h in history if h["state"] == "CLOSED" and h["epoch"] > epoch]
-            if len(closes) != 1:
-                problems.append(f"the outage was closed {len(closes)} times: {closes}")
+            history, closes = o.check_one_close(epoch, problems)
             if closed_after is None or not closes:
                 problems.append("the group never closed")
             else:
@@ -118,7 +88,7 @@ with Schema("cron_prober_killed") as s:
                 if spent > CLOSE_WITHIN:
                     problems.append(f"the group closed {spent:.1f}s after the cron prober's kill")
             st = pgq.status(s.engine, "g")
-            in_history = sum(h["refunded"] for h in history if h["state"] == "CLOSED")
+            in_history = o.refunded_in(history)
             if st["totals"]["refunded"] != in_history:
                 problems.append(
                     f"refunded total {st['totals']['refunded']} != history {in_history}"
@@ -127,9 +97,6 @@ with Schema("cron_prober_killed") as s:
                 problems.append(f"the last cron run did not drain: {runs[-1]} {states(s, 'g')}")
             for name, code, _, _ in runs:
                 if code not in (0, 75, -signal.SIGKILL):
-                    problems.append(
-                        f"{name} exited {code}: {(out / f'{name}.log').read_text()[-800:]}"
-                    )
-                if "Traceback" in (out / f"{name}.log").read_text():
-                    problems.append(f"{name} logged a traceback")
+                    problems.append(f"{name} exited {code}: {o.log(name)[-800:]}")
+                o.check_tracebacks(problems, [name])
 verdict(problems, "a cron prober killed mid-probe does not hold the group open")

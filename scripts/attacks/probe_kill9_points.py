@@ -30,15 +30,8 @@ import threading
 import time
 from pathlib import Path
 
-PROBE_LOG = "probes.log"
-
-
-def _append(path: Path, line: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
+from _common import Schema
+from _probes import PROBE_LOG, Outage, breaker_settings, outage_handler, wait
 
 
 def _take_arm(d: Path, tag: str) -> str | None:
@@ -50,66 +43,34 @@ def _take_arm(d: Path, tag: str) -> str | None:
     return (d / f"armed-{tag}").read_text().strip()
 
 
-def handler(msg) -> None:
-    from pgq.consumer import PROBE_THREAD
+def _probe(d: Path, tag: str):
+    mode = _take_arm(d, tag)
+    if mode == "entry":
+        os.kill(os.getpid(), signal.SIGKILL)
+    half = float(os.environ.get("ATK_PROBE_SLEEP", "0.4")) / 2
+    time.sleep(half)
+    if mode == "mid":
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(half)
+    if mode and mode.startswith("after"):
+        return lambda: _kill_after(float(mode.split(":")[1]))
+    return None
 
-    d, tag = Path(os.environ["TESTQ_DIR"]), os.environ["TESTQ_TAG"]
-    probe = threading.current_thread().name == PROBE_THREAD
-    mode = None
-    if probe:
-        _append(d / PROBE_LOG, f"start {tag} {msg.id} {time.time():.6f}")
-        mode = _take_arm(d, tag)
-        if mode == "entry":
-            os.kill(os.getpid(), signal.SIGKILL)
-        half = float(os.environ.get("ATK_PROBE_SLEEP", "0.4")) / 2
-        time.sleep(half)
-        if mode == "mid":
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(half)
-    down = (d / "down").exists()
-    if probe:
-        _append(d / PROBE_LOG, f"end {tag} {msg.id} {time.time():.6f}")
-        if mode and mode.startswith("after"):
-            delay = float(mode.split(":")[1])
-            t = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL))
-            t.daemon = True
-            t.start()
-    else:
-        time.sleep(0.002)
-    if down:
-        raise ConnectionError("dependency down")
+
+def _kill_after(delay: float) -> None:
+    t = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL))
+    t.daemon = True
+    t.start()
+
+
+def handler(msg) -> None:
+    outage_handler(msg, _probe)
 
 
 TTL = 1.5
-SET = dict(
-    PGQ_WORKERS="2",
-    PGQ_LEASE="30",
-    PGQ_HANDLER_TIMEOUT="30",
-    PGQ_POLL_INTERVAL="0.1",
-    PGQ_MAX_ATTEMPTS="50",
-    PGQ_RETRY_BACKOFF="0.02",
-    PGQ_RETRY_BACKOFF_MAX="0.05",
-    PGQ_BREAKER_WINDOW="4",
-    PGQ_BREAKER_MIN_CALLS="4",
-    PGQ_BREAKER_MIN_MEMBERS="1",
-    PGQ_BREAKER_HEARTBEAT="0.2",
-    PGQ_BREAKER_MEMBER_TTL=str(TTL),
-    PGQ_BREAKER_PROBE_INTERVAL="0.3",
-    PGQ_BREAKER_PROBE_INTERVAL_MAX="0.6",
-    PGQ_BREAKER_PROBER_TURNS="1000",
-)
+SET = breaker_settings(TTL)
 CLOSE_WITHIN = TTL + 4.0
 """Seconds the group may stay OPEN after the dependency is back and the prober died."""
-
-
-def wait(predicate, seconds: float):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.05)
-    return predicate()
 
 
 def overlaps(out: Path, deaths: dict[str, float]) -> list[str]:
@@ -143,106 +104,50 @@ def overlaps(out: Path, deaths: dict[str, float]) -> list[str]:
 
 
 def run_point(point: str, problems: list[str]) -> None:
-    import subprocess
-    import tempfile
-
-    from _common import PGQ, Schema
-
-    import pgq
-    from pgq import monitor
-
     mode = {"entry": "entry", "mid": "mid", "after-0": "after:0", "after-20ms": "after:0.02"}[point]
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    with Schema("kill9_" + point.replace("-", "_")) as s:
-        out = Path(tempfile.mkdtemp())
-        pgq.create_topic(s.engine, "t")
-        pgq.subscribe(s.engine, "g", "t")
-        pgq.publish_many(s.engine, "t", [{"i": i} for i in range(60)])
-
-        def breaker() -> dict:
-            return pgq.status(s.engine, "g")["breaker"]
-
+    with (
+        Schema("kill9_" + point.replace("-", "_")) as s,
+        Outage(s, "probe_kill9_points:handler", SET, tag=f"[{point}] ") as o,
+    ):
+        out = o.out
         deaths: dict[str, float] = {}
-        try:
-            (out / "down").touch()
-            for name in ("m1", "m2", "m3"):
-                procs[name] = subprocess.Popen(
-                    [
-                        PGQ,
-                        "consume",
-                        "g",
-                        "--handler",
-                        "probe_kill9_points:handler",
-                        "--name",
-                        name,
-                    ],
-                    env=s.env(TESTQ_DIR=out, TESTQ_TAG=name, **SET),
-                    stdout=subprocess.DEVNULL,
-                    stderr=(out / f"{name}.log").open("w"),
-                )
-            if not wait(lambda: breaker()["state"] == "OPEN", 40):
-                problems.append(f"[{point}] setup: the group did not open: {breaker()}")
-                return
-            epoch = breaker()["epoch"]
-            log = out / PROBE_LOG
-            if not wait(lambda: log.exists() and log.read_text().count("end ") >= 2, 20):
-                problems.append(f"[{point}] setup: no failed probes")
-                return
-            if mode.startswith("after"):
-                (out / "down").unlink()
-            (out / "arm").write_text(mode)
-            armed = wait(lambda: list(out.glob("armed-*")), 20)
-            if not armed:
-                problems.append(f"[{point}] setup: no probe took the kill")
-                return
-            victim = armed[0].name.removeprefix("armed-")
-            if wait(lambda: procs[victim].poll() is not None, 10) is False:
-                problems.append(f"[{point}] setup: {victim} did not die")
-                return
-            deaths[victim] = time.time()
-            if (out / "down").exists():
-                (out / "down").unlink()
-            back = time.monotonic()
-            closed = wait(lambda: breaker()["state"] == "CLOSED", 40)
-            took = time.monotonic() - back
-            if not closed:
-                problems.append(
-                    f"[{point}] the group is still OPEN {took:.1f}s after {victim} was killed"
-                    f" and the dependency came back: {breaker()}"
-                )
-            elif took > CLOSE_WITHIN:
-                problems.append(
-                    f"[{point}] the group closed {took:.1f}s after {victim} was killed and the"
-                    f" dependency came back (member_ttl {TTL}s, allowed {CLOSE_WITHIN:.1f}s)"
-                )
-            print(f"[{point}] victim={victim} closed after {took:.2f}s")
-            time.sleep(2.5)  # reconciliation
-            history = monitor.breaker_info(s.engine, "g")["history"]
-            closes = [h for h in history if h["state"] == "CLOSED" and h["epoch"] > epoch]
-            if len(closes) != 1:
-                problems.append(f"[{point}] the outage was closed {len(closes)} times: {closes}")
-            total = pgq.status(s.engine, "g")["totals"]["refunded"]
-            in_history = sum(h["refunded"] for h in history if h["state"] == "CLOSED")
-            if total != in_history:
-                problems.append(
-                    f"[{point}] refunded total {total} != refunds in the history {in_history}"
-                )
-            for o in overlaps(out, deaths):
-                problems.append(f"[{point}] two probes in flight: {o}")
-            for name in procs:
-                text = (out / f"{name}.log").read_text()
-                if "Traceback" in text:
-                    problems.append(f"[{point}] {name} logged a traceback")
-        finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in procs.values():
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        epoch = o.open_outage(problems)
+        if epoch is None:
+            return
+        if mode.startswith("after"):
+            (out / "down").unlink()
+        (out / "arm").write_text(mode)
+        armed = wait(lambda: list(out.glob("armed-*")), 20)
+        if not armed:
+            problems.append(f"[{point}] setup: no probe took the kill")
+            return
+        victim = armed[0].name.removeprefix("armed-")
+        if wait(lambda: o.procs[victim].poll() is not None, 10) is False:
+            problems.append(f"[{point}] setup: {victim} did not die")
+            return
+        deaths[victim] = time.time()
+        if (out / "down").exists():
+            (out / "down").unlink()
+        back = time.monotonic()
+        closed = wait(lambda: o.breaker()["state"] == "CLOSED", 40)
+        took = time.monotonic() - back
+        if not closed:
+            problems.append(
+                f"[{point}] the group is still OPEN {took:.1f}s after {victim} was killed"
+                f" and the dependency came back: {o.breaker()}"
+            )
+        elif took > CLOSE_WITHIN:
+            problems.append(
+                f"[{point}] the group closed {took:.1f}s after {victim} was killed and the"
+                f" dependency came back (member_ttl {TTL}s, allowed {CLOSE_WITHIN:.1f}s)"
+            )
+        print(f"[{point}] victim={victim} closed after {took:.2f}s")
+        time.sleep(2.5)  # reconciliation
+        history, _ = o.check_one_close(epoch, problems)
+        o.check_refunds(history, problems)
+        for ov in overlaps(out, deaths):
+            problems.append(f"[{point}] two probes in flight: {ov}")
+        o.check_tracebacks(problems)
 
 
 def main() -> None:

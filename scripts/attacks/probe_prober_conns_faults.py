@@ -34,72 +34,28 @@ Run: .venv/bin/python scripts/attacks/probe_prober_conns_faults.py [mode ...] (~
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 from pathlib import Path
 
-PROBE_LOG = "probes.log"
+from _common import DSN, Schema
+from _probes import PROBE_LOG, Outage, breaker_settings, outage_handler, wait
+
 LONG = 6.0
 
 
-def _append(path: Path, line: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, (line + "\n").encode())
-    finally:
-        os.close(fd)
+def _probe(d: Path, tag: str) -> None:
+    long = (d / f"long-{tag}").exists()
+    if long:
+        (d / f"long-{tag}").unlink()
+    time.sleep(LONG if long else 0.4)
 
 
 def handler(msg) -> None:
-    from pgq.consumer import PROBE_THREAD
-
-    d, tag = Path(os.environ["TESTQ_DIR"]), os.environ["TESTQ_TAG"]
-    probe = threading.current_thread().name == PROBE_THREAD
-    if probe:
-        _append(d / PROBE_LOG, f"start {tag} {msg.id} {time.time():.6f}")
-        long = (d / f"long-{tag}").exists()
-        if long:
-            (d / f"long-{tag}").unlink()
-        time.sleep(LONG if long else 0.4)
-    down = (d / "down").exists()
-    if probe:
-        _append(d / PROBE_LOG, f"end {tag} {msg.id} {time.time():.6f}")
-    else:
-        time.sleep(0.002)
-    if down:
-        raise ConnectionError("dependency down")
+    outage_handler(msg, _probe)
 
 
 TTL = 1.5
-SET = dict(
-    PGQ_WORKERS="2",
-    PGQ_LEASE="30",
-    PGQ_HANDLER_TIMEOUT="30",
-    PGQ_POLL_INTERVAL="0.1",
-    PGQ_MAX_ATTEMPTS="50",
-    PGQ_RETRY_BACKOFF="0.02",
-    PGQ_RETRY_BACKOFF_MAX="0.05",
-    PGQ_BREAKER_WINDOW="4",
-    PGQ_BREAKER_MIN_CALLS="4",
-    PGQ_BREAKER_MIN_MEMBERS="1",
-    PGQ_BREAKER_HEARTBEAT="0.2",
-    PGQ_BREAKER_MEMBER_TTL=str(TTL),
-    PGQ_BREAKER_PROBE_INTERVAL="0.3",
-    PGQ_BREAKER_PROBE_INTERVAL_MAX="0.6",
-    PGQ_BREAKER_PROBER_TURNS="1000",
-)
-
-
-def wait(predicate, seconds: float):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(0.05)
-    return predicate()
+SET = breaker_settings(TTL)
 
 
 def probe_runs(out: Path) -> list[tuple[str, float, float]]:
@@ -121,152 +77,100 @@ def probe_runs(out: Path) -> list[tuple[str, float, float]]:
 
 
 def run_mode(mode: str, problems: list[str]) -> None:
-    import subprocess
-    import tempfile
-
     import psycopg
-    from _common import DSN, PGQ, Schema
     from chaos.proxy import Proxy
 
-    import pgq
     from pgq import monitor
     from pgq.store import probe_lock_key
 
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    with Schema("prober_conn_" + mode) as s, Proxy.for_dsn(DSN) as proxy:
-        out = Path(tempfile.mkdtemp())
-        pgq.create_topic(s.engine, "t")
-        pgq.subscribe(s.engine, "g", "t")
-        pgq.publish_many(s.engine, "t", [{"i": i} for i in range(80)])
-
-        def breaker() -> dict:
-            return pgq.status(s.engine, "g")["breaker"]
-
-        def start(name: str, dsn: str) -> None:
-            env = s.env(TESTQ_DIR=out, TESTQ_TAG=name, **SET)
-            env["PGQ_DSN"] = dsn
-            procs[name] = subprocess.Popen(
-                [
-                    PGQ,
-                    "consume",
-                    "g",
-                    "--handler",
-                    "probe_prober_conns_faults:handler",
-                    "--name",
-                    name,
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=(out / f"{name}.log").open("w"),
-            )
-
-        try:
-            (out / "down").touch()
-            start("m1", proxy.dsn(DSN))
-            if not wait(lambda: breaker()["state"] == "OPEN" and breaker()["prober"] == "m1", 40):
-                problems.append(f"[{mode}] setup: m1 did not open the group as prober: {breaker()}")
-                return
-            epoch = breaker()["epoch"]
-            start("m2", DSN)
-            start("m3", DSN)
-            live = lambda: sum(m["live"] for m in monitor.members(s.engine, "g", TTL)) == 3  # noqa: E731
-            if not wait(live, 30):
-                problems.append(f"[{mode}] setup: m2, m3 not live")
-                return
-            time.sleep(1.0)
-            n0 = sum(1 for r in probe_runs(out) if r[0] == "m1")
-            (out / "long-m1").touch()
-            if not wait(
-                lambda: (
-                    sum(1 for r in probe_runs(out) if r[0] == "m1") > n0
-                    and not (out / "long-m1").exists()
-                ),
-                20,
-            ):
-                problems.append(f"[{mode}] setup: m1's long probe did not start")
-                return
-            time.sleep(0.5)
-            (out / "down").unlink()
-            fault_at = time.time()
-            if mode == "stall":
-                proxy.stall(4.0)
-            elif mode == "cut":
-                proxy.cut()
-            elif mode == "refuse":
-                proxy.refuse(4.0)
-                proxy.cut()
-            elif mode == "lockonly":
-                key = probe_lock_key(s.name, "g")
-                with psycopg.connect(DSN, autocommit=True) as c:
-                    pids = c.execute(
-                        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
-                        " AND classid = %s AND objid = %s AND objsubid = 1",
-                        ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
-                    ).fetchall()
-                    for (pid,) in pids:
-                        c.execute("SELECT pg_terminate_backend(%s)", (pid,))
-                if len(pids) != 1:
-                    problems.append(f"[{mode}] setup: {len(pids)} probe lock holders")
-            closed = wait(lambda: breaker()["state"] == "CLOSED", 30)
-            took = time.time() - fault_at
-            print(f"[{mode}] closed={bool(closed)} after {took:.2f}s")
-            if not closed:
-                problems.append(f"[{mode}] the group is still OPEN {took:.0f}s after: {breaker()}")
-            wait(lambda: all(r[2] != float("inf") for r in probe_runs(out)), LONG + 5)
-            time.sleep(2.5)
-            history = monitor.breaker_info(s.engine, "g")["history"]
-            closes = [h for h in history if h["state"] == "CLOSED" and h["epoch"] > epoch]
-            if len(closes) != 1:
-                problems.append(f"[{mode}] the outage was closed {len(closes)} times: {closes}")
-            total = pgq.status(s.engine, "g")["totals"]["refunded"]
-            in_history = sum(h["refunded"] for h in history if h["state"] == "CLOSED")
-            if total != in_history:
-                problems.append(
-                    f"[{mode}] refunded total {total} != refunds in the history {in_history}"
-                )
-            m1log = (out / "m1.log").read_text()
-            warned = "probe slot not renewed" in m1log
-            runs = sorted(probe_runs(out), key=lambda r: r[1])
-            for i, a in enumerate(runs):
-                for b in runs[i + 1 :]:
-                    if b[1] < a[2] - 0.001 and a[0] != b[0]:
-                        what = (
-                            f"[{mode}] {b[0]}'s probe started {b[1] - a[1]:.2f}s into {a[0]}'s"
-                            f" (which ran {a[2] - a[1]:.2f}s)"
+    with (
+        Schema("prober_conn_" + mode) as s,
+        Proxy.for_dsn(DSN) as proxy,
+        Outage(s, "probe_prober_conns_faults:handler", SET, messages=80, tag=f"[{mode}] ") as o,
+    ):
+        out = o.out
+        (out / "down").touch()
+        o.start("m1", dsn=proxy.dsn(DSN))
+        if not wait(lambda: o.breaker()["state"] == "OPEN" and o.breaker()["prober"] == "m1", 40):
+            problems.append(f"[{mode}] setup: m1 did not open the group as prober: {o.breaker()}")
+            return
+        epoch = o.breaker()["epoch"]
+        o.start("m2", dsn=DSN)
+        o.start("m3", dsn=DSN)
+        live = lambda: sum(m["live"] for m in monitor.members(s.engine, "g", TTL)) == 3  # noqa: E731
+        if not wait(live, 30):
+            problems.append(f"[{mode}] setup: m2, m3 not live")
+            return
+        time.sleep(1.0)
+        n0 = sum(1 for r in probe_runs(out) if r[0] == "m1")
+        (out / "long-m1").touch()
+        if not wait(
+            lambda: (
+                sum(1 for r in probe_runs(out) if r[0] == "m1") > n0
+                and not (out / "long-m1").exists()
+            ),
+            20,
+        ):
+            problems.append(f"[{mode}] setup: m1's long probe did not start")
+            return
+        time.sleep(0.5)
+        (out / "down").unlink()
+        fault_at = time.time()
+        if mode == "stall":
+            proxy.stall(4.0)
+        elif mode == "cut":
+            proxy.cut()
+        elif mode == "refuse":
+            proxy.refuse(4.0)
+            proxy.cut()
+        elif mode == "lockonly":
+            key = probe_lock_key(s.name, "g")
+            with psycopg.connect(DSN, autocommit=True) as c:
+                pids = c.execute(
+                    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                    " AND classid = %s AND objid = %s AND objsubid = 1",
+                    ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
+                ).fetchall()
+                for (pid,) in pids:
+                    c.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            if len(pids) != 1:
+                problems.append(f"[{mode}] setup: {len(pids)} probe lock holders")
+        closed = wait(lambda: o.breaker()["state"] == "CLOSED", 30)
+        took = time.time() - fault_at
+        print(f"[{mode}] closed={bool(closed)} after {took:.2f}s")
+        if not closed:
+            problems.append(f"[{mode}] the group is still OPEN {took:.0f}s after: {o.breaker()}")
+        wait(lambda: all(r[2] != float("inf") for r in probe_runs(out)), LONG + 5)
+        time.sleep(2.5)
+        history, _ = o.check_one_close(epoch, problems)
+        o.check_refunds(history, problems)
+        m1log = o.log("m1")
+        warned = "probe slot not renewed" in m1log
+        runs = sorted(probe_runs(out), key=lambda r: r[1])
+        for i, a in enumerate(runs):
+            for b in runs[i + 1 :]:
+                if b[1] < a[2] - 0.001 and a[0] != b[0]:
+                    what = (
+                        f"[{mode}] {b[0]}'s probe started {b[1] - a[1]:.2f}s into {a[0]}'s"
+                        f" (which ran {a[2] - a[1]:.2f}s)"
+                    )
+                    if warned:
+                        print(what + ": allowed, m1 logged 'probe slot not renewed'")
+                    else:
+                        problems.append(
+                            what + ": two probes in flight, and no 'probe slot not renewed'"
                         )
-                        if warned:
-                            print(what + ": allowed, m1 logged 'probe slot not renewed'")
-                        else:
-                            problems.append(
-                                what + ": two probes in flight, and no 'probe slot not renewed'"
-                            )
-            print(
-                f"[{mode}] probes: "
-                + ", ".join(
-                    f"{r[0]}@{r[1] - fault_at:+.2f}..{r[2] - fault_at:+.2f}" for r in runs[-4:]
-                )
+        print(
+            f"[{mode}] probes: "
+            + ", ".join(f"{r[0]}@{r[1] - fault_at:+.2f}..{r[2] - fault_at:+.2f}" for r in runs[-4:])
+        )
+        print(
+            f"[{mode}] m1 warnings: "
+            + " | ".join(
+                line.split(" pgq.")[-1][:110] for line in m1log.splitlines() if "WARNING" in line
             )
-            print(
-                f"[{mode}] m1 warnings: "
-                + " | ".join(
-                    line.split(" pgq.")[-1][:110]
-                    for line in m1log.splitlines()
-                    if "WARNING" in line
-                )
-            )
-            for name in procs:
-                if "Traceback" in (out / f"{name}.log").read_text():
-                    problems.append(f"[{mode}] {name} logged a traceback")
-        finally:
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in procs.values():
-                try:
-                    proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+        )
+        o.check_tracebacks(problems)
 
 
 def main() -> None:
