@@ -26,6 +26,9 @@ logger = logging.getLogger("pgq.consumer")
 DRAIN_RECHECK = 0.2
 """Seconds between checks while `until_empty` waits for other leases to expire."""
 
+IDLE_POLL = 0.002
+"""Seconds between looks at whether this member's own last rows and outcomes are done."""
+
 
 class Fetcher(Role):
     """Keeps the pool filled while the gates allow it."""
@@ -101,10 +104,11 @@ class Fetcher(Role):
                 m.pool.put_many(rows)
                 continue
             if m.until_empty:
-                if self._drained():
+                if self._wait_idle(DRAIN_RECHECK) and self._drained():
                     m.request_stop("empty")
                     return
-                self.listener.wait(DRAIN_RECHECK, m.stop_claiming)
+                if m.idle():  # others' leases or retries to wait for: a NOTIFY may come
+                    self.listener.wait(DRAIN_RECHECK, m.stop_claiming)
                 continue
             self.wake.clear()
             self.listener.wait(m.settings.poll_interval, m.stop_claiming)
@@ -145,6 +149,18 @@ class Fetcher(Role):
             return True
         m.hold(rows)
         m.pool.put_many(rows)
+        return True
+
+    def _wait_idle(self, timeout: float) -> bool:
+        """Wait up to `timeout` until this member has no row buffered or running and no
+        outcome left to write; True when it got there. Polled every `IDLE_POLL`: the
+        last handlers and the acker's last write take milliseconds, and a drain should
+        end as soon as they are done, not a whole recheck later."""
+        m = self.member
+        deadline = time.monotonic() + timeout
+        while not m.idle() or len(m.pool):
+            if time.monotonic() >= deadline or m.stop_claiming.wait(IDLE_POLL):
+                return False
         return True
 
     def _drained(self) -> bool:
