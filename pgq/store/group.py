@@ -38,8 +38,11 @@ STATS_CHANGED_SHARE = 0.2
 STATS_MIN_AGE = 30.0
 VACUUM_MIN_DEAD = 50_000
 """Dead rows in `delivery` before a member vacuums it (and they must outnumber the
-live rows `VACUUM_DEAD_SHARE` times)."""
+live rows `VACUUM_DEAD_SHARE` times, or reach `VACUUM_ENOUGH_DEAD`)."""
 VACUUM_DEAD_SHARE = 2.0
+VACUUM_ENOUGH_DEAD = 200_000
+"""Dead rows that call for a vacuum however many rows live: behind a big backlog
+they sit at the head of the ready index, where every claim walks over them."""
 VACUUM_MIN_AGE = 5.0
 """Seconds since the last vacuum (anyone's) before a member vacuums again."""
 """ANALYZE delivery when at least 1,000 rows and 20 % of it changed since the last
@@ -84,6 +87,13 @@ def _lease_params(leases: Iterable[Lease]) -> dict[str, str]:
 
 def _leases(rows: Iterable[Any]) -> set[Lease]:
     return {Lease(int(r[0]), int(r[1])) for r in rows}
+
+
+def vacuum_due(dead: int, live: int) -> bool:
+    """Do `dead` row versions call for a VACUUM of a delivery table with `live` rows?
+    (At least `VACUUM_MIN_DEAD`, and `VACUUM_DEAD_SHARE` times the live rows or
+    `VACUUM_ENOUGH_DEAD`, whichever is less.)"""
+    return dead >= max(VACUUM_MIN_DEAD, min(VACUUM_DEAD_SHARE * live, VACUUM_ENOUGH_DEAD))
 
 
 class GroupStore:
@@ -417,7 +427,7 @@ class GroupStore:
         if not rows:
             return False
         dead, live, age, may = int(rows[0][0] or 0), int(rows[0][1] or 0), rows[0][2], rows[0][3]
-        if not may or dead < VACUUM_MIN_DEAD or dead < VACUUM_DEAD_SHARE * live:
+        if not may or not vacuum_due(dead, live):
             return False
         if age is not None and float(age) < VACUUM_MIN_AGE:
             return False
