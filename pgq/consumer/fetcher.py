@@ -104,11 +104,15 @@ class Fetcher(Role):
                 m.pool.put_many(rows)
                 continue
             if m.until_empty:
-                if self._wait_idle(DRAIN_RECHECK) and self._drained():
+                if not self._wait_idle(DRAIN_RECHECK):
+                    continue  # its own last rows still run: claim again meanwhile
+                if gate.local.is_open or gate.claim_mode() != "normal":
+                    continue  # a breaker tripped on those last rows: the loop's top decides
+                if self._drained():
                     m.request_stop("empty")
                     return
-                if m.idle():  # others' leases or retries to wait for: a NOTIFY may come
-                    self.listener.wait(DRAIN_RECHECK, m.stop_claiming)
+                # others' leases or retries to wait for: a NOTIFY may come
+                self.listener.wait(DRAIN_RECHECK, m.stop_claiming)
                 continue
             self.wake.clear()
             self.listener.wait(m.settings.poll_interval, m.stop_claiming)
