@@ -51,6 +51,8 @@ class Maintenance(Role):
         self.finish = threading.Event()
         self._wake = threading.Event()
         self.conn = RoleConnection(member.engine, "maintenance", self.finish)
+        self.vacuum_conn = RoleConnection(member.engine, "vacuum", self.finish)
+        self._vacuuming: threading.Thread | None = None
         self.tasks: list[Task] = []
 
     def add(self, name: str, interval: float, run: Callable[[], object]) -> None:
@@ -76,8 +78,9 @@ class Maintenance(Role):
         return max(0.0, next_due - self.clock())
 
     def stop(self) -> None:
-        """Leave after the current round."""
+        """Leave after the current round (cancelling a VACUUM still running)."""
         self.finish.set()
+        self.vacuum_conn.cancel()
         self._wake.set()
 
     def _run_task(self, task: Task) -> None:
@@ -139,8 +142,22 @@ class Maintenance(Role):
         self.conn.run(self.member.store.refresh_statistics)
 
     def vacuum(self) -> None:
-        """VACUUM `delivery` when dead row versions dominate it (outside a transaction)."""
-        self.conn.run(self.member.store.vacuum_dead_rows, single=True)
+        """VACUUM `delivery` when dead row versions dominate it, on a thread and
+        connection of its own: a VACUUM may take longer than the lease, and lease
+        extension and the sweep (this thread's) must go on meanwhile."""
+        if self._vacuuming is not None and self._vacuuming.is_alive():
+            return
+        self._vacuuming = threading.Thread(target=self._vacuum, name="pgq-vacuum", daemon=True)
+        self._vacuuming.start()
+
+    def _vacuum(self) -> None:
+        try:
+            self.vacuum_conn.run(self.member.store.vacuum_dead_rows, single=True)
+        except Exception as exc:  # a failed vacuum must not stop the member
+            if not self.finish.is_set():
+                logger.warning("vacuum of delivery failed error=%s", exc)
+        finally:
+            self.vacuum_conn.close()
 
     def prune(self) -> None:
         self.conn.run(self.member.store.prune_behind)

@@ -129,6 +129,16 @@ class RoleConnection:
             with contextlib.suppress(Exception):
                 conn.close()
 
+    def cancel(self) -> None:
+        """Ask the server to cancel the statement running on this connection now
+        (safe from another thread; nothing happens when none runs)."""
+        conn = self._conn
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                driver = conn.connection.driver_connection
+                if driver is not None:
+                    driver.cancel()
+
 
 def _autocommitted(conn: Connection, fn: Callable[..., T], *args: Any) -> T:
     """`fn(conn, *args)` with the driver in autocommit: `fn` must run its statements

@@ -433,7 +433,19 @@ class GroupStore:
             return False
         driver = conn.connection.driver_connection
         assert driver is not None
-        driver.execute(stats_sql.vacuum(schema))
+        notices: list[str] = []
+
+        def note(diagnostic: Any) -> None:
+            notices.append(diagnostic.message_primary or "")
+
+        driver.add_notice_handler(note)
+        try:
+            driver.execute(stats_sql.vacuum(schema))
+        finally:
+            driver.remove_notice_handler(note)
+        if any(n.startswith("skipping") for n in notices):  # SKIP_LOCKED: another runs
+            logger.info("vacuum of delivery skipped schema=%s (another vacuum runs)", schema)
+            return False
         logger.info("vacuumed delivery schema=%s dead=%d live=%d", schema, dead, live)
         return True
 

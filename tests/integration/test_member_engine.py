@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import psycopg
 from helpers import FAST, wait_until
 from sqlalchemy import Engine
@@ -55,5 +58,49 @@ def test_a_member_vacuums_delivery_when_dead_rows_dominate(engine: Engine, schem
     consumer.start()
     try:
         wait_until(lambda: vacuums() > before, 60, "the member's VACUUM of delivery")
+    finally:
+        consumer.stop(timeout=30)
+
+
+def test_leases_are_extended_while_a_vacuum_runs(engine: Engine, schema: str, monkeypatch):
+    """A VACUUM of a big table can take longer than the lease; it runs on a thread of
+    its own, so the maintenance thread keeps extending the member's leases (before:
+    it ran there, no lease was extended meanwhile, and another member's sweep took
+    the rows a running handler held: messages ran twice)."""
+    from pgq.store.group import GroupStore
+
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    (mid,) = pgq.publish_many(engine, "t", [{"i": 0}])
+    vacuum = GroupStore.vacuum_dead_rows
+
+    def slow_vacuum(self: GroupStore, conn: object) -> bool:
+        time.sleep(3.0)  # a big table's VACUUM, longer than the 2 s lease
+        return vacuum(self, conn)
+
+    monkeypatch.setattr(GroupStore, "vacuum_dead_rows", slow_vacuum)
+    running = threading.Event()
+
+    def handler(msg: pgq.Message) -> None:
+        running.set()
+        time.sleep(4.0)
+
+    consumer = pgq.Consumer(engine, "g", handler, lease=2.0, **FAST)
+    consumer.start()
+    try:
+        assert running.wait(20)
+        left = []
+        deadline = time.monotonic() + 3.5
+        while time.monotonic() < deadline:
+            with engine.connect() as conn:
+                left.append(
+                    conn.exec_driver_sql(
+                        "SELECT extract(epoch FROM lease_expires_at - now())"
+                        f' FROM "{schema}".delivery WHERE message_id = %(mid)s',
+                        {"mid": mid},
+                    ).scalar()
+                )
+            time.sleep(0.1)
+        assert min(x for x in left if x is not None) > 0, left
     finally:
         consumer.stop(timeout=30)
