@@ -78,9 +78,15 @@ class Maintenance(Role):
         return max(0.0, next_due - self.clock())
 
     def stop(self) -> None:
-        """Leave after the current round (cancelling a VACUUM still running)."""
+        """Leave after the current round; a VACUUM still running is cancelled, on a
+        thread of its own (the cancel request needs a connection of its own, which
+        may hang while the database is away: stopping must never wait for it)."""
         self.finish.set()
-        self.vacuum_conn.cancel()
+        if self._vacuuming is not None and self._vacuuming.is_alive():
+            cancel = threading.Thread(
+                target=self.vacuum_conn.cancel, name="pgq-vacuum-cancel", daemon=True
+            )
+            cancel.start()
         self._wake.set()
 
     def _run_task(self, task: Task) -> None:

@@ -129,15 +129,17 @@ class RoleConnection:
             with contextlib.suppress(Exception):
                 conn.close()
 
-    def cancel(self) -> None:
-        """Ask the server to cancel the statement running on this connection now
-        (safe from another thread; nothing happens when none runs)."""
+    def cancel(self, timeout: float = 5.0) -> None:
+        """Ask the server to cancel the statement running on this connection (from
+        another thread; nothing happens when none runs). The request opens a
+        connection of its own and may wait up to `timeout` seconds: callers that must
+        not wait run it on a thread of its own."""
         conn = self._conn
         if conn is not None:
             with contextlib.suppress(Exception):
                 driver = conn.connection.driver_connection
                 if driver is not None:
-                    driver.cancel()
+                    driver.cancel_safe(timeout=timeout)
 
 
 def _autocommitted(conn: Connection, fn: Callable[..., T], *args: Any) -> T:
