@@ -260,3 +260,20 @@ def kill(engine: Engine, ids: list[int], error_class: str, **values: Any) -> Non
         **values,
     }
     set_rows(engine, ids, **fields)
+
+
+def run_machine(
+    base: type, pg_dsn: str, schema: str, machine_settings: Any, seen: Counter[str]
+) -> None:
+    """Run the hypothesis state machine `base` (its steps use `self.engine`) against a
+    fresh, migrated schema; prints what it exercised (`seen`) for pytest -s / -rP."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    engine = pgq.connect(pg_dsn, schema=schema, pool_pre_ping=False)
+    try:
+        pgq.migrate(engine)
+        machine = type(base.__name__, (base,), {"engine": engine})
+        run_state_machine_as_test(machine, settings=machine_settings)
+    finally:
+        print("exercised:", dict(sorted(seen.items())))
+        engine.dispose()

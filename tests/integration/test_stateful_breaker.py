@@ -58,6 +58,7 @@ from fractions import Fraction
 from typing import Any
 
 import pytest
+from helpers import run_machine
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -65,7 +66,6 @@ from hypothesis.stateful import (
     initialize,
     invariant,
     rule,
-    run_state_machine_as_test,
 )
 from sqlalchemy import Connection, Engine, func, literal, select, text, update
 
@@ -340,6 +340,13 @@ class BreakerMachine(RuleBasedStateMachine):
         """A transaction on the steps' connection (a role's one transaction)."""
         with self.conn.begin():
             yield self.conn
+
+    def _set_rows(self, mids: list[int], **values: Any) -> None:
+        """Write `values` into the group's rows of the messages `mids`."""
+        with self._tx() as conn:
+            conn.execute(
+                update(d).where(d.c.group_id == self.gid, d.c.message_id.in_(mids)).values(**values)
+            )
 
     # -- model helpers ------------------------------------------------------------
 
@@ -746,12 +753,7 @@ class BreakerMachine(RuleBasedStateMachine):
         mids = self._pick_some(data, later, 3, "row")
         if not mids:
             return
-        with self._tx() as conn:
-            conn.execute(
-                update(d)
-                .where(d.c.group_id == self.gid, d.c.message_id.in_(mids))
-                .values(available_at=text("timestamptz '2000-01-01 00:00:00+00'"))
-            )
+        self._set_rows(mids, available_at=text("timestamptz '2000-01-01 00:00:00+00'"))
         for mid in mids:
             self.rows[mid].future = self.rows[mid].scheduled = False
 
@@ -918,12 +920,7 @@ class BreakerMachine(RuleBasedStateMachine):
         mids = self._pick_some(data, leased, 3, "row")
         if not mids:
             return
-        with self._tx() as conn:
-            conn.execute(
-                update(d)
-                .where(d.c.group_id == self.gid, d.c.message_id.in_(mids))
-                .values(lease_expires_at=func.now() - text("interval '1 second'"))
-            )
+        self._set_rows(mids, lease_expires_at=func.now() - text("interval '1 second'"))
         for mid in mids:
             if self.rows[mid].probe_of is not None:
                 self.poison_probes = 0
@@ -1347,11 +1344,4 @@ SETTINGS = settings(
 def test_breaker_state_machine(pg_dsn: str, schema: str) -> None:
     """Random interleavings of members, claims, outcomes, trips, opens, probes, closes
     and reconciliation keep every invariant of the breaker (see the module docstring)."""
-    engine = pgq.connect(pg_dsn, schema=schema, pool_pre_ping=False)
-    try:
-        pgq.migrate(engine)
-        machine = type("BreakerMachine", (BreakerMachine,), {"engine": engine})
-        run_state_machine_as_test(machine, settings=SETTINGS)
-    finally:
-        print("exercised:", dict(sorted(SEEN.items())))  # shown by pytest -s / -rP
-        engine.dispose()
+    run_machine(BreakerMachine, pg_dsn, schema, SETTINGS, SEEN)

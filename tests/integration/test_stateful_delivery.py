@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from helpers import wait_until
+from helpers import run_machine, wait_until
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -61,7 +61,6 @@ from hypothesis.stateful import (
     multiple,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 from sqlalchemy import Connection, Engine, Text, cast, func, select, text, tuple_, update
 
@@ -1073,14 +1072,7 @@ SETTINGS = settings(
 def test_delivery_state_machine(pg_dsn: str, schema: str) -> None:
     """Random interleavings of publish, subscribe, claims, outcomes, leases, frontier
     and retention keep every invariant of the rows (see the module docstring)."""
-    engine = pgq.connect(pg_dsn, schema=schema, pool_pre_ping=False)
-    try:
-        pgq.migrate(engine)
-        machine = type("DeliveryMachine", (DeliveryMachine,), {"engine": engine})
-        run_state_machine_as_test(machine, settings=SETTINGS)
-    finally:
-        print("exercised:", dict(sorted(SEEN.items())))  # shown by pytest -s / -rP
-        engine.dispose()
+    run_machine(DeliveryMachine, pg_dsn, schema, SETTINGS, SEEN)
 
 
 def test_a_stale_failure_beside_the_current_one_does_not_apply(orders: Engine) -> None:
