@@ -83,7 +83,8 @@ class Fetcher(Role):
                 self.wake.clear()
                 continue
             self.release(m.take_deferred())
-            free = m.pool.wait_for_space(want, timeout=0.5)
+            # an adaptive bound is looked at every 0.1 s even while the pool is full
+            free = m.pool.wait_for_space(want, timeout=0.5 if self.adaptive is None else 0.1)
             free = min(free, gate.ramp(capacity) - len(m.pool))
             budget = m.budget()
             limit = min(m.settings.batch_size, free, budget if budget is not None else free)

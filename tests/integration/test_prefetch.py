@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from helpers import wait_until
 from sqlalchemy import Engine
 
 import pgq
@@ -90,7 +91,7 @@ def test_a_member_that_starts_first_does_not_hoard_slow_rows(topic):
     assert handled["b"] >= 160, handled
 
 
-def test_a_member_whose_handlers_slow_down_hands_back_its_buffer(topic):
+def test_a_member_whose_handlers_slow_down_hands_back_its_buffer(topic, schema):
     """Fast handlers fill the buffer (hundreds of rows); then every handler takes
     100 ms and a second member joins: the first hands back what it buffered for the
     fast handlers, so the second gets its part of what is left (before: the first
@@ -120,7 +121,18 @@ def test_a_member_whose_handlers_slow_down_hands_back_its_buffer(topic):
     a = threading.Thread(target=run, args=("a",))
     a.start()
     assert slow.wait(60), "the fast part never ended"
-    time.sleep(0.5)
+
+    def held_by_a() -> int:
+        with engine.connect() as conn:
+            return int(
+                conn.exec_driver_sql(
+                    f'SELECT count(*) FROM "{schema}".delivery'
+                    " WHERE state = 'leased' AND lease_owner = 'a'"
+                ).scalar()
+            )
+
+    # at 80 rows/s the bound is 16 (2 x workers): 16 buffered + 8 running, with slack
+    wait_until(lambda: held_by_a() <= 40, 10, "a to hand back its buffer", describe=held_by_a)
     with lock:
         left = n - handled["a"] - handled["b"]
     b = threading.Thread(target=run, args=("b",))
