@@ -86,6 +86,7 @@ RESERVED_ENV_VARS: frozenset[str] = frozenset(
         "PGQ_TEST_DSN",
         "PGQ_LOG_LEVEL",
         "PGQ_LOG_FORMAT",
+        "PGQ_WEB_TOKEN",
     }
 )
 """`PGQ_*` variables that are not settings; `load_settings` leaves them alone."""

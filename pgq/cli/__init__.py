@@ -10,7 +10,8 @@
 - `grant`: `grant` (least-privilege roles);
 - `consume`: `consume`, its exit codes and signal handlers;
 - `server`: `server status`, `server stop`;
-- `demo`: `demo`, whose narration it prints.
+- `demo`: `demo`, whose narration it prints;
+- `web`: `web`, the dashboard (`pgq.web`, the `web` extra).
 
 Command modules import `base` (and `render`); nothing imports them but this
 module, which registers their commands on the root group: the only place that
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pgq.cli import admin, consume, demo, grant, inspect, server, setup
+from pgq.cli import admin, consume, demo, grant, inspect, server, setup, web
 from pgq.cli.base import cli
 
 __all__ = ["cli", "main"]
@@ -44,6 +45,7 @@ for _command in (
     consume.consume,
     server.server,
     demo.demo,
+    web.web,
 ):
     cli.add_command(_command)
 

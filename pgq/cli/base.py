@@ -23,9 +23,11 @@ take `state: State` through `@pass_state`, call the library through
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import IO, Any, TypeVar
 
 import click
@@ -46,6 +48,7 @@ __all__ = [
     "CliFailure",
     "PgqGroup",
     "State",
+    "bind_dashboard",
     "cli",
     "cli_dsn",
     "cli_error",
@@ -53,6 +56,7 @@ __all__ = [
     "emit",
     "json_option",
     "pass_state",
+    "web_extra",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -268,3 +272,24 @@ def cli(
     state = State(dsn=dsn or None, config=config or None, schema=schema or None)
     ctx.obj = state
     ctx.call_on_close(state.close)
+
+
+def web_extra() -> ModuleType:
+    """`pgq.web`, or a `UsageError` saying how to install the `web` extra it needs."""
+    try:
+        return importlib.import_module("pgq.web")
+    except ImportError as exc:
+        raise UsageError(
+            f"the dashboard needs the web extra ({exc.name} is missing):"
+            " pip install 'pgq-breaker[web]'"
+        ) from None
+
+
+def bind_dashboard(engine: Engine, host: str, port: int, **options: Any) -> Any:
+    """A bound `pgq.web.WebServer` (see `pgq.web.dashboard_server`); a port that cannot
+    be had is a `UsageError`."""
+    web = web_extra()
+    try:
+        return web.dashboard_server(engine, host=host, port=port, **options)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None

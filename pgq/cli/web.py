@@ -1,0 +1,81 @@
+"""`pgq web`: the dashboard over this database (the `web` extra).
+
+Read-only unless `--admin`, which needs the token in `$PGQ_WEB_TOKEN` (never
+a flag: flags show in `ps` and shell history). Listens on 127.0.0.1 unless
+`--host` says otherwise. The database is read once before it listens, so a
+bad DSN or a missing schema is one line and exit 2, not an error page later.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import click
+
+from pgq.cli.base import State, pass_state
+from pgq.errors import UsageError
+from pgq.monitor import status_all
+
+__all__ = ["web"]
+
+logger = logging.getLogger("pgq.cli")
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="0: any free"
+)
+@click.option(
+    "--admin",
+    is_flag=True,
+    help="allow requeue and purge (audited) to whoever logs in with $PGQ_WEB_TOKEN",
+)
+@pass_state
+def web(state: State, host: str, port: int, admin: bool) -> None:
+    """The dashboard: groups, breaker timelines, members, dead letters, messages.
+
+    Pages update themselves every 2 seconds. `/api/groups` and
+    `/api/groups/GROUP` answer the JSON of `pgq status --json`; `/healthz`
+    says whether the database answers. Ctrl-C stops it.
+    """
+    try:
+        from pgq.web import WebOptions, dashboard_server
+        from pgq.web.guard import MIN_TOKEN_LENGTH, TOKEN_ENV
+    except ImportError as exc:
+        raise UsageError(
+            f"pgq web needs the web extra ({exc.name} is missing): pip install 'pgq-breaker[web]'"
+        ) from None
+    token = None
+    if admin:
+        token = os.environ.get(TOKEN_ENV, "")
+        if len(token) < MIN_TOKEN_LENGTH:
+            raise UsageError(
+                f"--admin needs a token of at least {MIN_TOKEN_LENGTH} characters in"
+                f" ${TOKEN_ENV} (for example: export {TOKEN_ENV}=$(openssl rand -hex 16))"
+            )
+    settings = state.settings
+    options = WebOptions(
+        member_ttl=settings.breaker_member_ttl, max_refunds=settings.breaker_max_refunds
+    )
+    status_all(state.engine, member_ttl=options.member_ttl)
+    try:
+        server = dashboard_server(state.engine, host=host, port=port, token=token, options=options)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    if host not in LOOPBACK:
+        logger.warning(
+            "web listening beyond this machine host=%s: anyone who reaches it can read"
+            " every group%s",
+            host,
+            " (and the token travels unencrypted: put TLS in front)" if admin else "",
+        )
+    mode = "admin" if admin else "read-only"
+    click.echo(f"pgq web: {server.url} ({mode}); Ctrl-C stops it", err=True)
+    try:
+        server.serve()
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,269 @@
+"""The dashboard's HTTP side: routes, templates, errors, security headers.
+
+`create_app(dashboard, guard, ...)` returns a Flask app (a WSGI callable that
+`pgq.web.server` serves with waitress). Pages are Jinja templates with
+autoescape on, and every string the templates print first goes through
+`visible` (control and format characters escaped, as the CLI prints them), so
+names, payloads and error texts can neither inject markup nor hide or forge
+text. A page asked with `?live=1` answers only its live part, which
+`static/live.js` swaps in every `refresh` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from flask import (
+    Flask,
+    Response,
+    abort,
+    jsonify,
+    make_response,
+    redirect,
+    render_template,
+    request,
+    url_for,
+)
+from markupsafe import Markup
+from werkzeug.exceptions import HTTPException
+
+from pgq import monitor
+from pgq.cli.admin import message_lines, parse_age, parse_ids, parse_message_id
+from pgq.cli.render import ago, visible
+from pgq.errors import DatabaseUnavailable, PgqError, UnknownGroup, UsageError
+from pgq.store import admin as store_admin
+from pgq.web.charts import sparkline
+from pgq.web.guard import SESSION_COOKIE, Guard, host_allowed
+from pgq.web.views import Dashboard
+
+__all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
+
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+ERROR_CLASSES = ("systemic", "message", "permanent", "lease")
+WINDOWS = {"auto": None, "5m": 300.0, "1h": 3600.0, "24h": 86400.0}
+"""The breaker timeline's spans a group page offers (`?window=`)."""
+
+
+def _finalize(value: Any) -> Any:
+    """Every `{{ value }}`: markup we built stays; text is made visible, then escaped."""
+    if isinstance(value, Markup) or not isinstance(value, str):
+        return value
+    return visible(value)
+
+
+def _duration(seconds: float) -> str:
+    """`300` -> `5 min`, `3600` -> `1 h`, `86400` -> `24 h`."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:g} h"
+    return f"{seconds / 60:g} min"
+
+
+def _pretty(value: Any) -> Markup:
+    """JSON indented for a `<pre>`: each line made visible and escaped."""
+    text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
+    return Markup("\n").join(visible(line) for line in text.splitlines())
+
+
+def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> Flask:
+    """The dashboard app for `dashboard`'s database; `guard` says who may change things,
+    `host`/`port` what it listens on (for the Host check)."""
+    app = Flask(__name__)
+    app.jinja_env.finalize = _finalize
+    app.jinja_env.globals.update(
+        ago=ago,
+        duration=_duration,
+        sparkline=sparkline,
+        admin=guard.admin,
+        refresh_ms=int(dashboard.options.refresh * 1000),
+        error_classes=ERROR_CLASSES,
+        windows=WINDOWS,
+        pretty=_pretty,
+    )
+
+    def session() -> Any:
+        return guard.session(request.cookies.get(SESSION_COOKIE))
+
+    @app.context_processor
+    def _user() -> dict[str, Any]:
+        s = session()
+        return {"logged_in": s is not None, "csrf": s.csrf if s else ""}
+
+    @app.before_request
+    def _check_host() -> Any:
+        if not host_allowed(request.host, host, port):
+            return _page("error.html", 400, title="Bad request", text="unexpected Host header")
+        return None
+
+    @app.after_request
+    def _headers(resp: Response) -> Response:
+        resp.headers["Content-Security-Policy"] = CSP
+        resp.headers["X-Content-Type-Options"] = "nosniff"
+        resp.headers["X-Frame-Options"] = "DENY"
+        resp.headers["Referrer-Policy"] = "same-origin"
+        resp.headers.setdefault("Cache-Control", "no-store")
+        return resp
+
+    @app.errorhandler(PgqError)
+    def _pgq_error(exc: PgqError) -> Any:
+        code = 503 if isinstance(exc, DatabaseUnavailable) else 500
+        if isinstance(exc, UnknownGroup):
+            code = 404
+        elif isinstance(exc, UsageError):
+            code = 400
+        if code >= 500:
+            logger.warning("web request failed path=%r error=%r", request.path, str(exc))
+        if request.path.startswith("/api/") or request.path == "/healthz":
+            return jsonify({"error": visible(str(exc))}), code
+        return _page("error.html", code, title=_TITLES[code], text=str(exc))
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException) -> Any:
+        code = exc.code or 500
+        if request.path.startswith("/api/"):
+            return jsonify({"error": exc.description}), code
+        return _page("error.html", code, title=exc.name, text=exc.description or "")
+
+    def _page(template: str, code: int = 200, **values: Any) -> Response:
+        if request.args.get("live") == "1" and code == 200:
+            template = "_" + template
+        return make_response(render_template(template, **values), code)
+
+    # --- pages ------------------------------------------------------------------
+
+    @app.get("/")
+    def overview() -> Any:
+        if dashboard.options.group and request.args.get("all") is None:
+            return redirect(url_for("group", name=dashboard.options.group), 303)
+        return _page("overview.html", data=dashboard.overview())
+
+    @app.get("/groups/<name>")
+    def group(name: str) -> Any:
+        cls = request.args.get("class") or None
+        if cls is not None and cls not in ERROR_CLASSES:
+            abort(400, f"unknown error class (use one of {', '.join(ERROR_CLASSES)})")
+        window = WINDOWS.get(request.args.get("window", "auto"))
+        if window is None and request.args.get("window", "auto") != "auto":
+            abort(400, f"unknown window (use one of {', '.join(WINDOWS)})")
+        data = dashboard.group(name, cls, window)
+        data["window"] = request.args.get("window", "auto")
+        return _page("group.html", name=name, data=data)
+
+    @app.get("/groups/<name>/messages/<message_id>")
+    def message(name: str, message_id: str) -> Any:
+        try:
+            mid = parse_message_id(message_id)
+        except UsageError as exc:
+            abort(404, str(exc))
+        try:
+            data = dashboard.message(name, mid)
+        except UnknownGroup:
+            raise
+        except UsageError as exc:
+            abort(404, str(exc))
+        return _page("message.html", name=name, data=data, lines=message_lines(data["message"]))
+
+    # --- JSON -------------------------------------------------------------------
+
+    @app.get("/api/groups")
+    def api_groups() -> Any:
+        return jsonify(
+            monitor.status_all(dashboard.engine, member_ttl=dashboard.options.member_ttl)
+        )
+
+    @app.get("/api/groups/<name>")
+    def api_group(name: str) -> Any:
+        return jsonify(
+            monitor.status(dashboard.engine, name, member_ttl=dashboard.options.member_ttl)
+        )
+
+    @app.get("/healthz")
+    def healthz() -> Any:
+        dashboard.now()  # raises DatabaseUnavailable: 503
+        return jsonify({"ok": True})
+
+    # --- changes (admin) --------------------------------------------------------
+
+    def _allowed() -> None:
+        if not guard.admin:
+            abort(403, "this dashboard is read-only (start pgq web with --admin)")
+        if not guard.may_change(
+            cookie=request.cookies.get(SESSION_COOKIE),
+            headers=dict(request.headers),
+            form_csrf=request.form.get("csrf"),
+            host=request.host,
+        ):
+            abort(403, "log in with the admin token first (or the form is stale or cross-site)")
+
+    def _reason() -> str:
+        reason = request.form.get("reason", "")
+        if not reason.strip():
+            abort(400, "a reason is required")
+        return reason
+
+    @app.post("/groups/<name>/requeue")
+    def requeue(name: str) -> Any:
+        _allowed()
+        reason = _reason()
+        actor = f"{store_admin.default_actor()} (pgq web)"
+        cls = request.form.get("class") or None
+        if request.form.get("all") == "1":
+            result = store_admin.requeue(
+                dashboard.engine, name, all_dead=True, error_class=cls, reason=reason, actor=actor
+            )
+        else:
+            ids = parse_ids(request.form.get("ids", "").split())
+            result = store_admin.requeue(dashboard.engine, name, ids, reason=reason, actor=actor)
+        text = f"requeued {result.count} (audit {result.audit_id})"
+        return _page("done.html", name=name, text=text)
+
+    @app.post("/groups/<name>/purge")
+    def purge(name: str) -> Any:
+        _allowed()
+        reason = _reason()
+        older = request.form.get("older_than", "").strip()
+        result = store_admin.purge(
+            dashboard.engine,
+            name,
+            older_than=parse_age(older) if older else None,
+            reason=reason,
+            max_refunds=dashboard.options.max_refunds,
+            actor=f"{store_admin.default_actor()} (pgq web)",
+        )
+        kept = f", kept {result.kept} pending reconciliation" if result.kept else ""
+        return _page(
+            "done.html", name=name, text=f"purged {result.count}{kept} (audit {result.audit_id})"
+        )
+
+    @app.route("/login", methods=["GET", "POST"])
+    def login() -> Any:
+        if not guard.admin:
+            abort(403, "this dashboard is read-only (start pgq web with --admin)")
+        if request.method == "GET":
+            return _page("login.html", failed=False)
+        s = guard.login(request.form.get("token"))
+        if s is None:
+            return _page("login.html", 403, failed=True)
+        resp = redirect(url_for("overview"), 303)
+        resp.set_cookie(
+            SESSION_COOKIE, s.id, httponly=True, samesite="Strict", secure=request.is_secure
+        )
+        return resp
+
+    @app.post("/logout")
+    def logout() -> Any:
+        guard.logout(request.cookies.get(SESSION_COOKIE))
+        resp = redirect(url_for("overview"), 303)
+        resp.delete_cookie(SESSION_COOKIE)
+        return resp
+
+    return app
+
+
+_TITLES = {400: "Bad request", 404: "Not found", 500: "Error", 503: "Database unavailable"}

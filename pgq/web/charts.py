@@ -1,0 +1,48 @@
+"""Small charts drawn on the server as inline SVG: no script, no network.
+
+A sparkline is a polyline over the points given, scaled to its own maximum,
+with the window's start and end fixed so that charts of different groups line
+up. Everything in the SVG is numbers the server computed; no user text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from markupsafe import Markup
+
+__all__ = ["sparkline"]
+
+
+def sparkline(
+    points: Sequence[tuple[float, float]],
+    *,
+    start: float,
+    end: float,
+    width: int = 160,
+    height: int = 32,
+    label: str,
+) -> Markup:
+    """`points` (at, value) between `start` and `end` as an SVG polyline.
+
+    `label` is the accessible name (our own words, escaped anyway).
+    """
+    span = max(end - start, 1e-9)
+    top = max((v for _, v in points), default=0.0) or 1.0
+    pad = 2
+    coords = []
+    for at, value in points:
+        x = pad + (min(max(at, start), end) - start) / span * (width - 2 * pad)
+        y = height - pad - value / top * (height - 2 * pad)
+        coords.append(f"{x:.1f},{y:.1f}")
+    line = (
+        f'<polyline points="{" ".join(coords)}" fill="none" stroke="currentColor"'
+        ' stroke-width="1.5"/>'
+        if len(coords) > 1
+        else ""
+    )
+    return Markup(
+        '<svg class="spark" role="img" width="{w}" height="{h}" viewBox="0 0 {w} {h}"'
+        ' aria-label="{label}"><title>{label}</title>'
+        '<line x1="0" y1="{base}" x2="{w}" y2="{base}" class="axis"/>{line}</svg>'
+    ).format(w=width, h=height, base=height - pad, label=label, line=Markup(line))

@@ -1,0 +1,146 @@
+"""What each page shows, read through the functions the CLI uses (`pgq.monitor`).
+
+No statement of its own: the overview is `status_all` (plus the pending/real
+split of `check` for groups with dead rows), the group page `status`,
+`breaker_info`, `dead`, `check` and `audit`, the message page `message`.
+`Dashboard` also keeps the charts' `History`, fed by the sampler thread and
+by every overview it reads.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+
+from pgq import monitor
+from pgq.errors import PgqError
+from pgq.store import database_now
+from pgq.web.history import History, lag, throughput
+from pgq.web.timeline import timeline
+
+__all__ = ["Dashboard", "WebOptions"]
+
+logger = logging.getLogger(__name__)
+
+DEAD_LIMIT = 200
+HISTORY_LIMIT = 50
+PROBE_LIMIT = 200
+AUDIT_LIMIT = 50
+
+
+@dataclass(frozen=True, slots=True)
+class WebOptions:
+    """How the dashboard reads: member liveness and refund cap as the CLI's settings
+    say, how often pages update themselves and how often the charts sample."""
+
+    member_ttl: float = monitor.DEFAULT_MEMBER_TTL
+    max_refunds: int = monitor.DEFAULT_MAX_REFUNDS
+    refresh: float = 2.0
+    sample_every: float = 10.0
+    chart_span: float = 3600.0
+    group: str | None = None  # the group `/` opens on (`pgq demo --web`)
+
+
+@dataclass
+class Dashboard:
+    engine: Engine
+    options: WebOptions = field(default_factory=WebOptions)
+    clock: Callable[[], float] = time.monotonic
+
+    def __post_init__(self) -> None:
+        self.history = History(self.options.chart_span, self.clock)
+        self._sampled = float("-inf")
+        self._lock = threading.Lock()
+
+    # --- overview ---------------------------------------------------------------
+
+    def overview(self) -> dict[str, Any]:
+        groups = monitor.status_all(self.engine, member_ttl=self.options.member_ttl)["groups"]
+        self._maybe_sample(groups)
+        start = self.clock() - self.options.chart_span
+        rows = []
+        for g in groups:
+            samples = self.history.samples(g["group"])
+            rows.append(
+                {
+                    "status": g,
+                    "live": sum(1 for m in g["members"] if m["live"]),
+                    "dead": self._dead_split(g),
+                    "throughput": throughput(samples),
+                    "lag_points": lag(samples),
+                    "chart_start": start,
+                    "chart_end": self.clock(),
+                }
+            )
+        return {"groups": rows, "watched": self.history.watched(), "now": self.now()}
+
+    def _dead_split(self, g: dict[str, Any]) -> dict[str, int]:
+        dead = g["counts"]["dead"]
+        if dead == 0:  # nothing can be pending: save the group a read
+            return {"dead": 0, "pending": 0, "real": 0}
+        return monitor.dead_split(self.engine, g["group"], self.options.max_refunds)
+
+    def _maybe_sample(self, groups: list[dict[str, Any]]) -> None:
+        with self._lock:
+            if self.clock() - self._sampled < self.options.sample_every * 0.5:
+                return
+            self._sampled = self.clock()
+        self.history.record(groups)
+
+    def sample(self) -> None:
+        """One chart sample of every group (the sampler thread's beat)."""
+        groups = monitor.status_all(self.engine, member_ttl=self.options.member_ttl)["groups"]
+        self._maybe_sample(groups)
+
+    def run_sampler(self, stop: threading.Event) -> None:
+        """Sample every `sample_every` seconds until `stop`; a failed read is logged
+        once per failure streak and retried at the next beat."""
+        failing = False
+        while not stop.is_set():
+            try:
+                self.sample()
+                failing = False
+            except PgqError as exc:
+                if not failing:
+                    logger.warning("web sample failed error=%r", str(exc))
+                failing = True
+            stop.wait(self.options.sample_every)
+
+    # --- group, message ---------------------------------------------------------
+
+    def group(
+        self, name: str, error_class: str | None = None, window: float | None = None
+    ) -> dict[str, Any]:
+        status = monitor.status(self.engine, name, member_ttl=self.options.member_ttl)
+        info = monitor.breaker_info(
+            self.engine, name, history_limit=HISTORY_LIMIT, probe_limit=PROBE_LIMIT
+        )
+        dead = monitor.dead(self.engine, name, limit=DEAD_LIMIT, error_class=error_class)
+        word, line = monitor.check(self.engine, name, self.options.max_refunds)
+        now = self.now()
+        return {
+            "status": status,
+            "breaker": info,
+            "timeline": timeline(info, now=now, window=window),
+            "dead": dead,
+            "dead_limit": DEAD_LIMIT,
+            "dead_split": monitor.dead_split(self.engine, name, self.options.max_refunds),
+            "error_class": error_class,
+            "check": {"state": word, "line": line},
+            "audit": monitor.audit(self.engine, name, limit=AUDIT_LIMIT),
+            "now": now,
+        }
+
+    def message(self, group: str, message_id: int) -> dict[str, Any]:
+        return {"message": monitor.message(self.engine, group, message_id), "now": self.now()}
+
+    def now(self) -> dt.datetime:
+        value: dt.datetime = database_now(self.engine)
+        return value

@@ -1,0 +1,184 @@
+"""`pgq web` in a real headless browser (issue 13): an operator watches an outage.
+
+Chromium and ChromeDriver come from the system packages (`/usr/bin/chromium`,
+`/usr/bin/chromedriver`); Selenium is pointed at both, so nothing downloads a
+browser. Three real `pgq consume` members share a dependency that is down while
+a flag file exists (tests/outage_handlers.py). The page is loaded once per
+state change the test waits for; a marker set in the page proves no reload
+happened. Screenshots of each state are saved in the test's directory (and in
+`$PGQ_WEB_SCREENSHOTS` when set: that is how the README's picture is made).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import wait_until
+from members import ConsumeProcesses, consume_processes
+from sqlalchemy import Engine
+
+import pgq
+from pgq import monitor
+from pgq.web import WebOptions, WebServer, dashboard_server
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+
+SETTINGS = {
+    "PGQ_WORKERS": 2,
+    "PGQ_LEASE": 5,
+    "PGQ_POLL_INTERVAL": 0.1,
+    "PGQ_MAX_ATTEMPTS": 1,  # every failure before the trips kills its row: refunds to see
+    "PGQ_RETRY_BACKOFF": 0.02,
+    "PGQ_RETRY_BACKOFF_MAX": 0.05,
+    "PGQ_BREAKER_WINDOW": 20,
+    "PGQ_BREAKER_MIN_CALLS": 20,
+    "PGQ_BREAKER_OPEN_FOR": 0.5,
+    "PGQ_BREAKER_OPEN_FOR_MAX": 1,
+    "PGQ_BREAKER_HEARTBEAT": 0.2,
+    "PGQ_BREAKER_MEMBER_TTL": 1.5,
+    # slow enough probing that the OPEN state is on screen for a while
+    "PGQ_BREAKER_PROBE_INTERVAL": 0.5,
+    "PGQ_BREAKER_PROBE_INTERVAL_MAX": 1,
+}
+
+
+@pytest.fixture
+def browser() -> Iterator[object]:
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        if os.environ.get("CI"):
+            pytest.fail("CI needs Debian's chromium and chromium-driver (.ci/run installs them)")
+        pytest.skip("no /usr/bin/chromium and /usr/bin/chromedriver (apt install chromium-driver)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(arg)
+    options.add_argument("--window-size=1400,1100")
+    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+class Members(ConsumeProcesses):
+    def __init__(self, engine: Engine, env: dict[str, str], out: Path) -> None:
+        super().__init__(engine, env, out, "outage_handlers:flaky", SETTINGS)
+
+
+@pytest.fixture
+def members(engine: Engine, pgq_env: dict[str, str], tmp_path: Path) -> Iterator[Members]:
+    with consume_processes(Members, engine, pgq_env, tmp_path) as group:
+        yield group
+
+
+@pytest.fixture
+def web(engine: Engine) -> Iterator[WebServer]:
+    options = WebOptions(member_ttl=1.5, refresh=0.5, sample_every=1.0)
+    server = dashboard_server(engine, port=0, options=options)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def text_of(driver, css: str) -> str | None:
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+
+    try:
+        return driver.find_element("css selector", css).text
+    except (NoSuchElementException, StaleElementReferenceException):
+        return None
+
+
+def shoot(driver, out: Path, name: str) -> Path:
+    path = out / f"web-{name}.png"
+    driver.save_screenshot(str(path))
+    assert path.stat().st_size > 10_000, "an empty screenshot"
+    if target := os.environ.get("PGQ_WEB_SCREENSHOTS"):
+        shutil.copy(path, Path(target) / path.name)
+    return path
+
+
+def test_an_operator_watches_an_outage_open_probe_close_and_refund(browser, members, web, tmp_path):
+    driver, engine = browser, members.engine
+    ids = pgq.publish_many(engine, "t", [{"i": i} for i in range(120)])
+    assert ids
+
+    driver.get(web.url + "?all=1")
+    wait_until(lambda: text_of(driver, 'tr[data-group="g"] .state') == "CLOSED", 10, "overview")
+    shoot(driver, tmp_path, "overview")
+
+    driver.get(web.url + "groups/g")
+    driver.execute_script("window.pgqNotReloaded = true")
+    assert text_of(driver, "#breaker-state") == "CLOSED"
+
+    (members.out / "down").touch()
+    for name in ("m1", "m2", "m3"):
+        members.spawn(name)
+
+    prober = wait_until(
+        lambda: (
+            text_of(driver, "#breaker-state") == "OPEN"
+            and text_of(driver, "#prober") in ("m1", "m2", "m3")
+            and text_of(driver, "#prober")
+        ),
+        60,
+        "the page to show OPEN and a prober",
+        describe=lambda: (
+            text_of(driver, "#breaker-state"),
+            monitor.status(engine, "g")["breaker"],
+        ),
+    )
+    assert text_of(driver, f'#members tr[data-member="{prober}"] .tag') == "prober"
+    # the probes fail while the dependency is down, and the timeline lists them
+    # probes fail while the dependency is down, all through the one prober, and the
+    # timeline lists each as it happens
+    failed = '#events tr.event-probe[data-outcome="failed"]'
+    wait_until(
+        lambda: len(driver.find_elements("css selector", failed)) >= 3,
+        30,
+        "three failed probes on the timeline",
+    )
+    probers = {e.get_attribute("data-member") for e in driver.find_elements("css selector", failed)}
+    assert probers == {prober}, probers
+    shoot(driver, tmp_path, "open")
+    assert driver.execute_script("return window.pgqNotReloaded === true"), "the page reloaded"
+
+    (members.out / "down").unlink()
+
+    def closed_with_refund() -> str | None:
+        if text_of(driver, "#breaker-state") != "CLOSED":
+            return None
+        history = monitor.breaker_info(engine, "g")["history"]
+        close = next(h for h in history if h["state"] == "CLOSED")
+        if monitor.status(engine, "g")["lag"] or not close["refunded"]:
+            return None  # the reconciliation or the drain still runs
+        shown = text_of(driver, f'#events .refunded[data-epoch="{close["epoch"]}"]')
+        drained = text_of(driver, "#lag") == "0"
+        return shown if drained and shown == str(close["refunded"]) else None
+
+    refunded = wait_until(closed_with_refund, 60, "the page to show CLOSED and the refund")
+    assert int(refunded) > 0
+    succeeded = '#events tr.event-probe[data-outcome="succeeded"]'
+    assert driver.find_elements("css selector", succeeded), "no successful probe listed"
+    assert text_of(driver, "#refunded-total") == str(
+        monitor.status(engine, "g")["totals"]["refunded"]
+    )
+    shoot(driver, tmp_path, "closed")
+    assert driver.execute_script("return window.pgqNotReloaded === true"), "the page reloaded"
+
+    driver.get(web.url + "?all=1")
+    wait_until(lambda: text_of(driver, 'tr[data-group="g"] .state') == "CLOSED", 10, "overview")
+    members.stop_all()
