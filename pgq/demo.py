@@ -48,7 +48,7 @@ from pgq.store import (
     subscribe,
 )
 
-__all__ = ["DEMO_SETTINGS", "DemoResult", "run_demo"]
+__all__ = ["DEMO_SETTINGS", "QUICK", "WATCHED", "DemoResult", "Pace", "run_demo"]
 
 TOPIC = "orders"
 GROUP = "billing"
@@ -58,12 +58,25 @@ HANDLER_SECONDS = 0.005
 """What each call of the demo handler takes (a dependency call)."""
 RATE = 100
 """Messages the producer publishes per second."""
-CUT_AFTER = 2.0
-"""Seconds of healthy traffic before the dependency is cut."""
-OUTAGE_AT_LEAST = 2.0
-"""Seconds the group stays open (probing) before the dependency comes back."""
-DEADLINE = 50.0
-"""The whole demo gives up after this long."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """How long each act lasts, in seconds."""
+
+    cut_after: float = 2.0
+    """Healthy traffic before the dependency is cut."""
+    outage: float = 2.0
+    """At least this long the group stays open (probing) before the dependency comes back."""
+    deadline: float = 50.0
+    """The whole demo gives up after this long."""
+
+
+QUICK = Pace()
+"""The pace of `pgq demo`: the whole story in about seven seconds."""
+
+WATCHED = Pace(cut_after=6.0, outage=12.0, deadline=120.0)
+"""The pace of `pgq demo --web`: slow enough to watch each state on the dashboard."""
 TICK = 0.05
 PROGRESS_EVERY = 0.5
 
@@ -235,13 +248,24 @@ def _members(engine: Engine, story: _Story) -> Iterator[list[Consumer]]:
                 c.stop(timeout=DEMO_SETTINGS["shutdown_grace"])
 
 
-def run_demo(dsn: str, out: Out = _silent, *, messages: int = 600, poison: int = 5) -> DemoResult:
+def run_demo(
+    dsn: str,
+    out: Out = _silent,
+    *,
+    messages: int = 600,
+    poison: int = 5,
+    pace: Pace | None = None,
+    watch: Callable[[Engine], contextlib.AbstractContextManager[Any]] | None = None,
+) -> DemoResult:
     """Run the breaker story on the server at `dsn`, telling it line by line to `out`.
 
     Works in a fresh schema `pgq_demo_<random>` that is dropped at the end, so
-    it never touches real data. Takes about 7 seconds. Raises `PgqError` when the
-    database cannot be used; a story that did not happen is `DemoResult.ok`
-    false with the reason in `problem`.
+    it never touches real data. Takes about 7 seconds at the default `pace`, `QUICK`.
+    `watch`, when given, is entered with the demo's engine once the group
+    exists and left before the schema is dropped (`pgq demo --web` serves the
+    dashboard in it). Raises `PgqError` when the database cannot be used; a
+    story that did not happen is `DemoResult.ok` false with the reason in
+    `problem`.
     """
     schema = f"pgq_demo_{secrets.token_hex(4)}"
     engine = connect(dsn, schema=schema, pool_size=12)
@@ -253,7 +277,8 @@ def run_demo(dsn: str, out: Out = _silent, *, messages: int = 600, poison: int =
             f"schema {schema}: topic {TOPIC}, group {GROUP}; {MEMBERS} members x {WORKERS}"
             f" workers; {messages} orders at {RATE}/s, {poison} of them poison"
         )
-        return _run(engine, out, messages, poison)
+        with watch(engine) if watch is not None else contextlib.nullcontext():
+            return _run(engine, out, messages, poison, pace or QUICK)
     finally:
         with contextlib.suppress(Exception):
             drop_schema(engine, schema)
@@ -263,8 +288,8 @@ def run_demo(dsn: str, out: Out = _silent, *, messages: int = 600, poison: int =
 class _Narrator:
     """Watches the group once per tick, moves the story on and says what happens."""
 
-    def __init__(self, engine: Engine, story: _Story, out: Out) -> None:
-        self.engine, self.story, self.out = engine, story, out
+    def __init__(self, engine: Engine, story: _Story, out: Out, pace: Pace) -> None:
+        self.engine, self.story, self.out, self.pace = engine, story, out, pace
         self.max_refunds = int(DEMO_SETTINGS.get("breaker_max_refunds", DEFAULT_MAX_REFUNDS))
         self.cut_at: dt.datetime | None = None
         self.restored_at: dt.datetime | None = None
@@ -306,7 +331,7 @@ class _Narrator:
         if t >= self.next_progress:
             self.out(_progress(t, story, s))
             self.next_progress = t + PROGRESS_EVERY
-        if self.cut_at is None and t >= CUT_AFTER:
+        if self.cut_at is None and t >= self.pace.cut_after:
             story.dependency.up.clear()
             self.cut_at = database_now(self.engine)
             self.say(t, "dependency DOWN: every call now raises ConnectionError")
@@ -333,10 +358,11 @@ class _Narrator:
     def _while_open(self, t: float, s: dict[str, Any]) -> None:
         self.pending_peak = max(self.pending_peak, s["counts"]["dead_systemic"])
         open_for = time.monotonic() - self.opened
-        if not self.checked and open_for >= OUTAGE_AT_LEAST * 0.75:
+        outage = self.pace.outage
+        if not self.checked and open_for >= outage * 0.75:
             self.checked = True
             self.say(t, f"pgq check {GROUP}: {check(self.engine, GROUP, self.max_refunds)[1]}")
-        if open_for >= OUTAGE_AT_LEAST and (self.probes or open_for >= 3 * OUTAGE_AT_LEAST):
+        if open_for >= outage and (self.probes or open_for >= 3 * outage):
             self.story.dependency.up.set()
             self.restored_at = database_now(self.engine)
             self.say(t, "dependency UP again")
@@ -354,9 +380,9 @@ class _Narrator:
         return f"the queue did not drain: lag {s['lag']}"
 
 
-def _run(engine: Engine, out: Out, messages: int, poison: int) -> DemoResult:
+def _run(engine: Engine, out: Out, messages: int, poison: int, pace: Pace) -> DemoResult:
     story = _Story(engine, messages, poison)
-    narrator = _Narrator(engine, story, out)
+    narrator = _Narrator(engine, story, out, pace)
     ttl = DEMO_SETTINGS["breaker_member_ttl"]
     started = time.monotonic()
     problem: str | None = None
@@ -372,7 +398,7 @@ def _run(engine: Engine, out: Out, messages: int, poison: int) -> DemoResult:
             if story.producer_error is not None:
                 problem = f"publishing failed: {story.producer_error}"
                 break
-            if t >= DEADLINE:
+            if t >= pace.deadline:
                 problem = narrator.stuck(s)
                 break
             time.sleep(TICK)

@@ -81,8 +81,7 @@ def test_demo_with_dsn_on_the_test_server(pg_dsn):
 
 
 def test_a_story_that_does_not_happen_exits_1(pg_dsn, monkeypatch):
-    monkeypatch.setattr(demo, "CUT_AFTER", 60.0)
-    monkeypatch.setattr(demo, "DEADLINE", 1.0)
+    monkeypatch.setattr(demo, "QUICK", demo.Pace(cut_after=60.0, deadline=1.0))
     result = CliRunner().invoke(cli, ["--dsn", pg_dsn, "demo"], env={"PGQ_DSN": None})
     assert result.exit_code == 1, (result.output, result.exception)
     assert result.stderr.splitlines() == [
@@ -93,10 +92,9 @@ def test_a_story_that_does_not_happen_exits_1(pg_dsn, monkeypatch):
 
 
 def test_run_demo_returns_what_happened(pg_dsn, monkeypatch):
-    monkeypatch.setattr(demo, "CUT_AFTER", 1.0)
-    monkeypatch.setattr(demo, "OUTAGE_AT_LEAST", 1.0)
     lines: list[str] = []
-    result = demo.run_demo(pg_dsn, lines.append, messages=300, poison=2)
+    pace = demo.Pace(cut_after=1.0, outage=1.0)
+    result = demo.run_demo(pg_dsn, lines.append, messages=300, poison=2, pace=pace)
     assert result.ok, "\n".join(lines)
     assert result.problem is None
     assert (result.published, result.poison, result.dead) == (300, 2, 2)
