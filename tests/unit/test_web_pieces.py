@@ -1,0 +1,225 @@
+"""The dashboard's pure pieces, exact: timeline, charts' history, the guard, escaping."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+
+pytest.importorskip("flask")
+
+from markupsafe import Markup
+
+from pgq.web.app import _finalize
+from pgq.web.charts import sparkline
+from pgq.web.guard import Guard, host_allowed, same_origin
+from pgq.web.history import History, throughput
+from pgq.web.timeline import auto_window, timeline
+
+NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
+
+
+def at(seconds_ago: float) -> str:
+    return (NOW - dt.timedelta(seconds=seconds_ago)).isoformat()
+
+
+def outage(opened: float, closed: float | None, refunded: int = 7) -> dict:
+    history = [{"epoch": 1, "state": "OPEN", "at": at(opened), "refunded": 0, "by_member": "m1"}]
+    if closed is not None:
+        history.insert(
+            0,
+            {
+                "epoch": 2,
+                "state": "CLOSED",
+                "at": at(closed),
+                "refunded": refunded,
+                "by_member": "m2",
+            },
+        )
+    probes = [
+        {"epoch": 1, "at": at(opened - 1), "member": "m2", "message_id": 5, "outcome": "failed"},
+    ]
+    if closed is not None:
+        probes.insert(
+            0,
+            {"epoch": 1, "at": at(closed), "member": "m2", "message_id": 6, "outcome": "succeeded"},
+        )
+    return {
+        "state": "CLOSED" if closed is not None else "OPEN",
+        "epoch": 2 if closed else 1,
+        "history": history,
+        "probes": probes,
+    }
+
+
+def test_spans_alternate_and_end_now():
+    t = timeline(outage(opened=120, closed=60), now=NOW, window=300)
+    assert [(s.state, s.epoch) for s in t.spans] == [("CLOSED", 0), ("OPEN", 1), ("CLOSED", 2)]
+    assert t.spans[0].start == NOW - dt.timedelta(seconds=300)
+    assert t.spans[1].start == NOW - dt.timedelta(seconds=120)
+    assert t.spans[1].end == t.spans[2].start == NOW - dt.timedelta(seconds=60)
+    assert t.spans[-1].end == NOW
+
+
+def test_events_newest_first_with_refund_and_probe_outcomes():
+    t = timeline(outage(opened=120, closed=60), now=NOW, window=300)
+    kinds = [(e.kind, e.outcome, e.refunded) for e in t.events]
+    assert kinds == [
+        ("close", None, 7),
+        ("probe", "succeeded", None),
+        ("probe", "failed", None),
+        ("open", None, None),
+    ]
+
+
+def test_a_group_that_never_opened_is_closed_all_along():
+    info = {"state": "CLOSED", "epoch": 0, "history": [], "probes": []}
+    t = timeline(info, now=NOW)
+    assert [(s.state, s.start, s.end) for s in t.spans] == [
+        ("CLOSED", NOW - dt.timedelta(hours=1), NOW)
+    ]
+    assert t.events == []
+
+
+def test_spans_before_the_window_are_left_out():
+    t = timeline(outage(opened=7200, closed=7100), now=NOW, window=300)
+    assert [s.state for s in t.spans] == ["CLOSED"]
+
+
+@pytest.mark.parametrize(
+    ("opened", "window"),
+    [
+        (10, 300),
+        (239, 300),
+        (241, 900),
+        (700, 900),
+        (2000, 3600),
+        (4 * 3600, 6 * 3600),
+        (30 * 3600, 24 * 3600),
+    ],
+)
+def test_the_window_zooms_to_the_last_outage(opened, window):
+    assert auto_window(outage(opened=opened, closed=None)["history"], NOW) == window
+    assert timeline(outage(opened=opened, closed=None), now=NOW).window == window
+
+
+def test_the_svg_escapes_member_names():
+    info = outage(opened=100, closed=50)
+    info["probes"][0]["member"] = '<script>alert(1)</script>"'
+    svg = timeline(info, now=NOW, window=300).svg()
+    assert "<script>" not in svg and "&lt;script&gt;" in svg
+
+
+def test_throughput_is_growth_per_second_never_negative():
+    clock = iter([0.0, 10.0, 20.0, 30.0]).__next__
+    h = History(span=3600, clock=clock)
+    for done in (100, 150, 150, 40):  # the last: the group was dropped and made again
+        h.record([{"group": "g", "counts": {"done": done}, "lag": 3}])
+    assert throughput(h.samples("g")) == [(10.0, 5.0), (20.0, 0.0), (30.0, 0.0)]
+
+
+def test_history_keeps_its_span_and_forgets_dropped_groups():
+    now = [0.0]
+    h = History(span=100, clock=lambda: now[0])
+    for t in range(0, 300, 10):
+        now[0] = float(t)
+        h.record([{"group": "g", "counts": {"done": t}, "lag": 0}])
+    assert h.samples("g")[0].at == 190.0
+    assert h.watched() == 100
+    h.record([])
+    assert h.samples("g") == []
+
+
+def test_sparkline_scales_to_its_maximum():
+    svg = sparkline(
+        [(0, 0.0), (10, 5.0), (20, 10.0)], start=0, end=20, width=104, height=34, label="lag of <g>"
+    )
+    assert 'points="2.0,32.0 52.0,17.0 102.0,2.0"' in svg
+    assert "lag of &lt;g&gt;" in svg
+
+
+def test_text_is_made_visible_markup_is_kept():
+    assert _finalize("a\x1b[2Jb\u202ec") == "a\\x1b[2Jb\\u202ec"
+    assert _finalize(Markup("<svg/>")) == Markup("<svg/>")
+    assert _finalize(3) == 3
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+TOKEN = "s3cret-token-0123456789"
+
+
+def test_a_read_only_guard_never_allows_a_change():
+    g = Guard(None)
+    assert not g.admin and g.login(TOKEN) is None
+    assert not g.may_change(
+        cookie=None,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        form_csrf=None,
+        host="127.0.0.1:8080",
+    )
+
+
+def test_sessions_need_the_token_their_csrf_and_expire():
+    clock = Clock()
+    g = Guard(TOKEN, ttl=60, clock=clock)
+    assert g.login("wrong") is None and g.login("") is None and g.login(None) is None
+    s = g.login(TOKEN)
+    assert s is not None
+    same = {"Origin": "http://127.0.0.1:8080"}
+    assert g.may_change(cookie=s.id, headers=same, form_csrf=s.csrf, host="127.0.0.1:8080")
+    assert not g.may_change(cookie=s.id, headers=same, form_csrf="x", host="127.0.0.1:8080")
+    assert not g.may_change(cookie=s.id, headers=same, form_csrf=None, host="127.0.0.1:8080")
+    assert not g.may_change(cookie="forged", headers=same, form_csrf=s.csrf, host="127.0.0.1:8080")
+    clock.now = 61
+    assert not g.may_change(cookie=s.id, headers=same, form_csrf=s.csrf, host="127.0.0.1:8080")
+
+
+def test_bearer_token_needs_no_session():
+    g = Guard(TOKEN)
+    ok = {"Authorization": f"Bearer {TOKEN}"}
+    assert g.may_change(cookie=None, headers=ok, form_csrf=None, host="h")
+    bad = {"Authorization": "Bearer nope"}
+    assert not g.may_change(cookie=None, headers=bad, form_csrf=None, host="h")
+
+
+@pytest.mark.parametrize(
+    ("headers", "allowed"),
+    [
+        ({}, True),
+        ({"Origin": "http://127.0.0.1:8080"}, True),
+        ({"Referer": "http://127.0.0.1:8080/groups/g"}, True),
+        ({"Origin": "http://evil.example"}, False),
+        ({"Origin": "null"}, False),
+        ({"Referer": "http://127.0.0.1:9999/"}, False),
+        ({"Origin": "http://127.0.0.1:8080", "Sec-Fetch-Site": "cross-site"}, False),
+    ],
+)
+def test_cross_site_requests_are_refused(headers, allowed):
+    assert same_origin(headers, "127.0.0.1:8080") is allowed
+
+
+@pytest.mark.parametrize(
+    ("host_header", "listen", "allowed"),
+    [
+        ("127.0.0.1:8080", "127.0.0.1", True),
+        ("localhost:8080", "127.0.0.1", True),
+        ("[::1]:8080", "127.0.0.1", True),
+        ("LOCALHOST:8080", "127.0.0.1", True),
+        ("127.0.0.1", "127.0.0.1", True),
+        ("127.0.0.1:9999", "127.0.0.1", False),
+        ("evil.example:8080", "127.0.0.1", False),
+        ("evil.example", "127.0.0.1", False),
+        ("10.0.0.5:8080", "10.0.0.5", True),
+        ("evil.example:8080", "10.0.0.5", False),
+        ("anything:8080", "0.0.0.0", True),
+    ],
+)
+def test_host_header_names_this_server(host_header, listen, allowed):
+    assert host_allowed(host_header, listen, 8080) is allowed
