@@ -8,8 +8,13 @@ path (a story that does not happen exits 1) in-process.
 from __future__ import annotations
 
 import os
+import queue
 import re
+import signal
 import subprocess
+import threading
+import time
+import urllib.request
 
 import psycopg
 import pytest
@@ -104,3 +109,58 @@ def test_run_demo_returns_what_happened(pg_dsn, monkeypatch):
     assert result.time_to_open is not None and result.time_to_open < 5
     assert result.time_to_close is not None and result.time_to_close < 5
     assert lines[-1].startswith("  took")
+
+
+@pytest.mark.slow
+def test_demo_web_serves_the_story_live_until_ctrl_c(pg_dsn):
+    pytest.importorskip("flask")
+    proc = subprocess.Popen(
+        [*PGQ, "demo", "--web", "--port", "0", "--dsn", pg_dsn],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+
+    def line_with(text: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        seen = []
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            seen.append(line)
+            if text in line:
+                return line
+        raise AssertionError(f"no {text!r} within {timeout:g}s: {''.join(seen)[-2000:]}")
+
+    try:
+        url = re.search(r"dashboard: (http://127\.0\.0\.1:\d+/groups/billing)", line_with(
+            "dashboard:", 30)).group(1)  # fmt: skip
+        states = set()
+        deadline = time.monotonic() + 90
+        while "CLOSED" not in states or "OPEN" not in states:
+            assert time.monotonic() < deadline, states
+            page = fetch(url)
+            states.update(re.findall(r'id="breaker-state"[^>]*>(\w+)<', page))
+            time.sleep(0.2)
+        line_with("the dashboard stays up", 90)
+        overview = fetch(url.rsplit("/groups", 1)[0] + "/?all=1")
+        assert 'data-group="billing"' in overview
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        _, err = proc.communicate(timeout=10)
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    assert demo_schemas(pg_dsn) == []
+
+
+def fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return resp.read().decode()
