@@ -3,7 +3,7 @@
 pgq keeps no history table: the dashboard samples `pgq status` itself (the
 `pgq-web-sampler` thread, every `every` seconds) and keeps the last `span`
 seconds in memory, so the charts cover the last hour the dashboard has been
-watching (docs/decisions/0022-web-dashboard.md says why). Throughput is the
+watching (docs/decisions/0024-web-dashboard.md says why). Throughput is the
 growth of `counts.done` between two samples; it never goes negative (a group
 dropped and created again under the same name starts over).
 """
