@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_HISTORY_LIMIT",
     "DEFAULT_MAX_REFUNDS",
     "DEFAULT_MEMBER_TTL",
+    "DEFAULT_PROBE_LIMIT",
     "RECENTLY_DEPARTED",
     "audit",
     "breaker_info",
@@ -55,6 +56,9 @@ member by default (15 minutes); `departed_within=None` lists every one."""
 
 DEFAULT_HISTORY_LIMIT = 20
 """Breaker transitions `breaker_info` returns by default."""
+
+DEFAULT_PROBE_LIMIT = 20
+"""Group probes `breaker_info` returns by default."""
 
 DEFAULT_AUDIT_LIMIT = 20
 """Audit rows `audit` returns by default."""
@@ -197,15 +201,23 @@ def members(
 
 
 def breaker_info(
-    engine: Engine, group: str, history_limit: int = DEFAULT_HISTORY_LIMIT
+    engine: Engine,
+    group: str,
+    history_limit: int = DEFAULT_HISTORY_LIMIT,
+    probe_limit: int = DEFAULT_PROBE_LIMIT,
 ) -> dict[str, Any]:
-    """The breaker object of `group` plus `history`; raises `UnknownGroup`.
+    """The breaker object of `group` plus `history` and `probes`; raises `UnknownGroup`.
 
     `{"state", "since", "prober", "epoch", "history": [{"epoch", "state", "at",
-    "refunded"}, ...]}`, history newest first, at most `history_limit` entries.
+    "refunded"}, ...], "probes": [{"epoch", "at", "member", "message_id",
+    "outcome"}, ...]}`, history newest first, at most `history_limit` entries;
+    probes newest first, at most `probe_limit`: each group probe's OPEN epoch, when
+    its outcome was written, the prober, the message it ran, and `outcome`
+    `failed` (systemic), `inconclusive` (message, permanent, a snooze) or
+    `succeeded` (plus its `error_class`). Read from one snapshot.
     """
-    row, history = inspect.breaker_rows(engine, group, history_limit)
-    info = _breaker(row)
+    rows = inspect.breaker_rows(engine, group, history_limit, probe_limit)
+    info = _breaker(rows.row)
     info["history"] = [
         {
             "epoch": h.epoch,
@@ -214,7 +226,18 @@ def breaker_info(
             "refunded": int(h.refunded),
             "by_member": h.by_member,
         }
-        for h in history
+        for h in rows.history
+    ]
+    info["probes"] = [
+        {
+            "epoch": int(p.epoch),
+            "at": iso(p.at),
+            "member": p.member,
+            "message_id": None if p.message_id is None else int(p.message_id),
+            "outcome": p.outcome,
+            "error_class": p.error_class,
+        }
+        for p in rows.probes
     ]
     return info
 

@@ -228,6 +228,33 @@ breaker_history = Table(
     PrimaryKeyConstraint("group_id", "epoch"),
 )
 
+# every group probe with its outcome, written in the statement that records the
+# outcome on the breaker row (schema version 3; docs/decisions/0022-probe-log.md)
+probe = Table(
+    "probe",
+    metadata,
+    Column("group_id", Integer, nullable=False),
+    Column("id", BigInteger, Identity(), nullable=False),
+    # the OPEN epoch the probe ran under
+    Column("epoch", Integer, nullable=False),
+    _now_column("at"),
+    Column("member", Text),
+    # no foreign key: the log outlives the messages it names until retention
+    Column("message_id", BigInteger),
+    Column("outcome", Text, nullable=False),
+    Column("error_class", Text),
+    PrimaryKeyConstraint("group_id", "id"),
+    CheckConstraint(
+        "outcome IN ('failed', 'inconclusive', 'succeeded')", name="probe_outcome_check"
+    ),
+    CheckConstraint(
+        "error_class IS NULL OR error_class IN ('systemic', 'message', 'permanent')",
+        name="probe_error_class_check",
+    ),
+)
+# the newest probes of a group, and retention's oldest ones
+Index("probe_at_idx", probe.c.group_id, probe.c.at)
+
 audit = Table(
     "audit",
     metadata,

@@ -204,9 +204,14 @@ def status_all_lines(data: dict[str, Any]) -> list[str]:
     return lines + _holder_line(groups[0].get("frontier_held_by"))
 
 
+BREAKER_PROBES_SHOWN = 5
+"""The newest probes `pgq breaker GROUP` shows (`--json` has every one it read)."""
+
+
 @_visible_lines
 def breaker_lines(b: dict[str, Any], *, now: dt.datetime) -> list[str]:
-    """`pgq breaker GROUP`: state, since, epoch, prober, then the history table."""
+    """`pgq breaker GROUP`: state, since, epoch, prober, the history table, then the
+    newest probes."""
     lines = [
         f"state   {breaker_word(b['state'])}",
         f"since   {_at(b['since'], now)}",
@@ -216,15 +221,36 @@ def breaker_lines(b: dict[str, Any], *, now: dt.datetime) -> list[str]:
     if b.get("next_probe_at"):
         lines.append(f"next probe  {_at(b['next_probe_at'], now)}")
     if not b["history"]:
-        return [*lines, "history: none"]
-    history = table(
-        ("EPOCH", "STATE", "AT", "REFUNDED"),
+        lines.append("history: none")
+    else:
+        history = table(
+            ("EPOCH", "STATE", "AT", "REFUNDED"),
+            (
+                (h["epoch"], breaker_word(h["state"]), ago(h["at"], now), h["refunded"])
+                for h in b["history"]
+            ),
+        )
+        lines += ["history:", *("  " + line for line in history)]
+    probes = b.get("probes")
+    if probes is None:
+        return lines
+    if not probes:
+        return [*lines, "probes: none"]
+    shown = table(
+        ("EPOCH", "OUTCOME", "AT", "MEMBER", "MESSAGE_ID", "CLASS"),
         (
-            (h["epoch"], breaker_word(h["state"]), ago(h["at"], now), h["refunded"])
-            for h in b["history"]
+            (
+                p["epoch"],
+                p["outcome"],
+                ago(p["at"], now),
+                p["member"],
+                p["message_id"],
+                p.get("error_class"),
+            )
+            for p in probes[:BREAKER_PROBES_SHOWN]
         ),
     )
-    return [*lines, "history:", *("  " + line for line in history)]
+    return [*lines, "probes (newest first):", *("  " + line for line in shown)]
 
 
 @_visible_lines

@@ -169,8 +169,10 @@ class Maintenance(Role):
         self.conn.run(self.member.store.prune_behind)
 
     def expire_messages(self) -> None:
-        """Delete messages past retention, batch after batch, for up to two seconds."""
+        """Delete the group's logged probes past retention (one batch), then messages
+        past retention, batch after batch, for up to two seconds."""
         m = self.member
+        self.conn.run(m.store.expire_probes, m.settings.retention)
         deadline = self.clock() + EXPIRE_BUDGET
         while not self.finish.is_set() and self.clock() < deadline:
             deleted = self.conn.run(m.store.expire_messages, m.topic_id, m.settings.retention)

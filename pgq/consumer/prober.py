@@ -161,7 +161,7 @@ class Prober(Role):
                 delay = probe_delay(
                     failures, s.breaker_probe_interval, s.breaker_probe_interval_max
                 )
-                self.conn.run(m.store.probe_failed, view.epoch, delay)
+                self.conn.run(m.store.probe_failed, view.epoch, delay, outcome.claimed.id)
                 turns += 1
                 logger.warning(
                     "probe failed epoch=%d failures=%d next_in=%.1fs", view.epoch, failures, delay
@@ -183,7 +183,14 @@ class Prober(Role):
                     s.breaker_probe_interval,
                     s.breaker_probe_interval_max,
                 )
-                self.conn.run(m.store.probe_again, view.epoch, delay)
+                self.conn.run(
+                    m.store.probe_again,
+                    view.epoch,
+                    delay,
+                    "inconclusive",
+                    outcome.claimed.id,
+                    outcome.error_class,
+                )
                 logger.info(
                     "probe inconclusive epoch=%d class=%s next_in=%.1fs",
                     view.epoch,
@@ -221,8 +228,10 @@ class Prober(Role):
                         logger.info("group breaker closed by probe epoch=%d", closed)
                         self.gate.see_group("CLOSED", closed)
                 else:
+                    # it succeeded but may not close: free the slot for the member that
+                    # holds the lock now, and log the probe as it went
                     written, _ = self.conn.retrying(m.store.probe_done, row)
-                    self.conn.retrying(m.store.probe_again, epoch, 0.0)
+                    self.conn.retrying(m.store.probe_again, epoch, 0.0, "succeeded", row.id)
             else:
                 written = row.lease in self.conn.retrying(m.store.record, [outcome])
         finally:

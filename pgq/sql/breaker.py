@@ -16,6 +16,7 @@ from sqlalchemy import (
     Integer,
     Interval,
     Numeric,
+    Text,
     and_,
     bindparam,
     case,
@@ -24,6 +25,7 @@ from sqlalchemy import (
     insert,
     literal,
     literal_column,
+    null,
     or_,
     select,
     update,
@@ -37,6 +39,10 @@ from pgq.sql.members import member_live, row_key
 from pgq.sql.refunds import carries_charges, charged_within
 
 br, hist, mb, d, g = t.breaker, t.breaker_history, t.member, t.delivery, t.consumer_group
+pr = t.probe
+
+PROBE_OUTCOMES = ("failed", "inconclusive", "succeeded")
+"""The outcomes the probe log records (`probe.outcome`)."""
 
 
 def _live_members() -> ColumnElement[bool]:
@@ -61,6 +67,29 @@ def _recorded(flipped: Any, state: Any) -> Executable:
             select(flipped.c.group_id, flipped.c.epoch, state, bindparam("member")),
         )
         .returning(hist.c.epoch)
+    )
+
+
+def _probe_logged(moved: Any, outcome: Any, error_class: Any) -> Any:
+    """A CTE that logs the probe of the OPEN epoch `:at_epoch` by `:member` on message
+    `:probe_id` with `outcome`, once per row the breaker update `moved` (a CTE that
+    returns `group_id`) matched: nothing when the group moved on meanwhile. In the
+    outcome's own statement, so the log costs no round trip and never disagrees
+    with the breaker row."""
+    return (
+        insert(pr)
+        .from_select(
+            ["group_id", "epoch", "member", "message_id", "outcome", "error_class"],
+            select(
+                moved.c.group_id,
+                bindparam("at_epoch", type_=Integer),
+                bindparam("member", type_=Text),
+                bindparam("probe_id", type_=BigInteger),
+                outcome,
+                error_class,
+            ),
+        )
+        .cte("logged")
     )
 
 
@@ -180,36 +209,54 @@ def reserve_probe() -> Executable:
 
 @cache
 def probe_failed() -> Executable:
-    """A probe of the OPEN epoch `:at_epoch` failed systemically: back off to now + `:delay`."""
-    return (
+    """A probe of the OPEN epoch `:at_epoch` failed systemically: back off to now + `:delay`,
+    and log it (`:member`, `:probe_id`) as `failed`. Returns the failures in a row."""
+    failed = (
         update(br)
         .where(_open_at_epoch())
         .values(
             probe_failures=br.c.probe_failures + 1,
             next_probe_at=func.now() + bindparam("delay", type_=Interval),
         )
-        .returning(br.c.probe_failures)
+        .returning(br.c.group_id, br.c.probe_failures)
+        .cte("failed")
     )
+    logged = _probe_logged(failed, literal_column("'failed'", Text), t.SYSTEMIC)
+    return select(failed.c.probe_failures).add_cte(logged)
 
 
 @cache
-def probe_again() -> Executable:
+def probe_again(logged: bool = False) -> Executable:
     """The next probe of the OPEN epoch `:at_epoch` is due at now + `:delay`, the failure
     count kept: after an inconclusive probe (message, permanent, a snooze: nothing
     learnt about the dependency, but the next probe still waits the current interval),
-    or with `:delay` 0 to free the slot a probe reserved."""
-    return (
+    or with `:delay` 0 to free the slot a probe reserved.
+
+    `logged`: the probe is logged too (`:member`, `:probe_id`, `:outcome`,
+    `:error_class`): an inconclusive probe, or a success whose prober lost its lock
+    (it frees the slot instead of closing). Freeing a slot alone logs nothing.
+    Returns the failures in a row.
+    """
+    again = (
         update(br)
         .where(_open_at_epoch())
         .values(next_probe_at=func.now() + bindparam("delay", type_=Interval))
-        .returning(br.c.probe_failures)
+        .returning(br.c.group_id, br.c.probe_failures)
     )
+    if not logged:
+        return again
+    moved = again.cte("again")
+    logged_cte = _probe_logged(
+        moved, bindparam("outcome", type_=Text), bindparam("error_class", type_=Text)
+    )
+    return select(moved.c.probe_failures).add_cte(logged_cte)
 
 
 @cache
 def close() -> Executable:
     """Close `:gid` if it is still OPEN at `:at_epoch`; owe a reconciliation for the new epoch.
 
+    The probe that succeeded (`:member`, `:probe_id`) is logged in the same statement.
     Returns the new (close) epoch, nothing when the group moved on meanwhile.
     """
     flipped = (
@@ -233,6 +280,7 @@ def close() -> Executable:
         .returning(br.c.group_id, br.c.epoch)
         .cte("flipped")
     )
+    logged = _probe_logged(flipped, literal_column("'succeeded'", Text), null())
     # the probe's own refund (`:refunded` rows, written in the same transaction)
     return (
         insert(hist)
@@ -247,6 +295,7 @@ def close() -> Executable:
             ),
         )
         .returning(hist.c.epoch)
+        .add_cte(logged)
     )
 
 

@@ -31,7 +31,7 @@ from sqlalchemy.sql.selectable import ScalarSelect
 
 from pgq import schema as t
 
-d, g, m = t.delivery, t.consumer_group, t.message
+d, g, m, pr = t.delivery, t.consumer_group, t.message, t.probe
 
 MAX_ID = literal_column(str(2**63 - 1), BigInteger)
 
@@ -234,3 +234,32 @@ def delete_expired_messages() -> Executable:
         .scalar_subquery()
     )
     return m.delete().where(m.c.id == any_(func.array(victims))).returning(m.c.id)
+
+
+@cache
+def delete_expired_probes() -> Executable:
+    """Delete up to `:limit` of group `:gid`'s logged probes older than `:retention`,
+    oldest first; returns how many.
+
+    One statement: the victims come from `probe_at_idx` (the group's probes by time,
+    so it reads only what it deletes, plus one). Probes come at most one per probe
+    interval, so a batch per retention pass keeps up. No `FOR UPDATE`: locking a
+    row needs UPDATE on the table, and a consumer never updates a probe; of two
+    members that prune at once the second waits for the first's delete and finds
+    those rows gone.
+    """
+    cutoff = func.now() - bindparam("retention", type_=Interval)
+    victims = (
+        select(pr.c.id)
+        .where(pr.c.group_id == bindparam("gid", type_=Integer), pr.c.at < cutoff)
+        .order_by(pr.c.at)
+        .limit(bindparam("limit", type_=Integer))
+        .cte("victims")
+    )
+    deleted = (
+        pr.delete()
+        .where(pr.c.group_id == bindparam("gid", type_=Integer), pr.c.id == victims.c.id)
+        .returning(pr.c.id)
+        .cte("deleted")
+    )
+    return select(func.count()).select_from(deleted)

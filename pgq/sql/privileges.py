@@ -44,6 +44,7 @@ from sqlalchemy import (
     literal_column,
     select,
     table,
+    true,
     union_all,
     values,
 )
@@ -59,6 +60,9 @@ CONSUMER_TABLES: dict[str, tuple[str, ...]] = {
     "member": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # join, heartbeat, leave, forget
     "breaker": ("SELECT", "UPDATE"),  # open on quorum, probe, close
     "breaker_history": ("SELECT", "INSERT", "UPDATE"),  # transitions and refund counts
+    # the probe log: each probe's outcome writes one; retention deletes the old ones
+    # (and reads their `at` to choose them: SELECT)
+    "probe": ("SELECT", "INSERT", "DELETE"),
 }
 """Table privileges a consumer member needs (besides USAGE on the schema)."""
 
@@ -88,6 +92,7 @@ ADMIN_TABLES: dict[str, tuple[str, ...]] = {
     "member": ("SELECT",),  # status, members, breaker (who probes)
     "breaker": ("SELECT",),  # status, breaker, check, purge (what a reconciliation owes)
     "breaker_history": ("SELECT",),  # breaker
+    "probe": ("SELECT",),  # breaker (its probes)
     "audit": ("SELECT", "INSERT"),  # requeue and purge write it (and return its id)
 }
 """Table privileges an administrator needs (besides USAGE on the schema): audited
@@ -96,6 +101,15 @@ ADMIN_TABLES: dict[str, tuple[str, ...]] = {
 
 ADMIN_SEQUENCES: dict[str, tuple[str, ...]] = {}
 """Sequence privileges an administrator needs: none (audit ids are an identity column)."""
+
+PROBE_LOG_CARRIED: dict[str, tuple[str, ...]] = {
+    "INSERT": CONSUMER_TABLES["probe"],
+    "SELECT": ADMIN_TABLES["probe"],
+}
+"""Schema version 3 adds `probe`: a role granted INSERT on `breaker_history` before
+(a consumer's) gets a consumer's privileges on it, one granted SELECT there (an
+administrator, a monitoring role) gets SELECT, so an upgrade keeps every role able
+to do the job it did (decision 0022)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +190,7 @@ def grant_statements(job: str, schema: str, role: str) -> list[psql.Composed]:
     return statements
 
 
-_roles = table("pg_roles", column("rolname"), schema="pg_catalog")
+_roles = table("pg_roles", column("oid"), column("rolname"), schema="pg_catalog")
 
 
 @cache
@@ -194,6 +208,8 @@ _classes = table(
     column("relname"),
     column("relnamespace"),
     column("relkind"),
+    column("relowner"),
+    column("relacl"),
     schema="pg_catalog",
 )
 _attributes = table(
@@ -264,6 +280,31 @@ def missing_privileges(job: str, of_role: bool = False) -> Executable:
         ~_has("schema", of_role, n.c.oid, literal("USAGE", Text)),
     )
     return union_all(schema, objects)
+
+
+@cache
+def grantees() -> Executable:
+    """The roles granted `:privilege` on table `:table` of schema `:schema` in its ACL,
+    by name: not its owner, nor PUBLIC (no role of that name)."""
+    n, c, r = _namespaces, _classes, _roles
+    in_schema = select(n.c.oid).where(n.c.nspname == bindparam("schema")).scalar_subquery()
+    acl = (
+        func.aclexplode(c.c.relacl)
+        .table_valued(column("grantee"), column("privilege_type", Text))
+        .lateral("acl")
+    )
+    return (
+        select(r.c.rolname)
+        .distinct()
+        .select_from(c.join(acl, true()).join(r, r.c.oid == acl.c.grantee))
+        .where(
+            c.c.relname == bindparam("table", type_=Text),
+            c.c.relnamespace == in_schema,
+            acl.c.privilege_type == bindparam("privilege", type_=Text),
+            acl.c.grantee != c.c.relowner,
+        )
+        .order_by(r.c.rolname)
+    )
 
 
 @cache

@@ -152,6 +152,19 @@ def breaker_history() -> Select[Any]:
 
 
 @cache
+def probes() -> Select[Any]:
+    """The newest `:limit` group probes of group `:group_id` with their outcomes, newest
+    first (`probe_at_idx`)."""
+    p = t.probe
+    return (
+        select(p.c.epoch, p.c.at, p.c.member, p.c.message_id, p.c.outcome, p.c.error_class)
+        .where(p.c.group_id == bindparam("group_id", type_=Integer))
+        .order_by(p.c.at.desc(), p.c.id.desc())
+        .limit(bindparam("limit", type_=Integer))
+    )
+
+
+@cache
 def dead_rows() -> Select[Any]:
     """The first `:limit` dead rows of group `:group_id`, by message id."""
     d = t.delivery

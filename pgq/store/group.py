@@ -180,7 +180,7 @@ class GroupStore:
         """Write the successful probe and close the group at `epoch` in one transaction,
         so the close's history row counts the probe's refund: (written, close epoch)."""
         written, refunded = self.probe_done(conn, row)
-        return written, self.close(conn, epoch, refunded)
+        return written, self.close(conn, epoch, refunded, row.id)
 
     def _claimed(self, rows: Iterable[Any], epoch: int, probe: bool = False) -> list[Claimed]:
         """The claimed rows as `Claimed`, filed under the later of `epoch` (what the
@@ -341,21 +341,57 @@ class GroupStore:
         lock_conn.execute(breaker_sql.set_prober(), params)
         lock_conn.execute(breaker_sql.mark_prober(), params)
 
-    def probe_failed(self, conn: Connection, epoch: int, delay: float) -> int | None:
-        """Back the next probe off by `delay`; returns the consecutive failure count."""
-        params = {"gid": self.gid, "at_epoch": epoch, "delay": dt.timedelta(seconds=delay)}
+    def probe_failed(
+        self, conn: Connection, epoch: int, delay: float, message_id: int | None = None
+    ) -> int | None:
+        """The probe on `message_id` failed systemically: back the next probe off by
+        `delay` and log the probe; returns the consecutive failure count."""
+        params = {
+            "gid": self.gid,
+            "at_epoch": epoch,
+            "delay": dt.timedelta(seconds=delay),
+            "member": self.member,
+            "probe_id": message_id,
+        }
         return conn.execute(breaker_sql.probe_failed(), params).scalar()
 
-    def probe_again(self, conn: Connection, epoch: int, delay: float) -> None:
+    def probe_again(
+        self,
+        conn: Connection,
+        epoch: int,
+        delay: float,
+        outcome: str | None = None,
+        message_id: int | None = None,
+        error_class: str | None = None,
+    ) -> None:
         """The next probe is due in `delay` seconds, the failure count kept (after an
-        inconclusive probe; 0 frees a reserved slot)."""
-        params = {"gid": self.gid, "at_epoch": epoch, "delay": dt.timedelta(seconds=delay)}
-        conn.execute(breaker_sql.probe_again(), params)
+        inconclusive probe; 0 frees a reserved slot). With an `outcome` the probe on
+        `message_id` is logged too, in the same statement; without one (a slot freed)
+        nothing is logged."""
+        params: dict[str, Any] = {
+            "gid": self.gid,
+            "at_epoch": epoch,
+            "delay": dt.timedelta(seconds=delay),
+        }
+        if outcome is not None:
+            params.update(
+                member=self.member, probe_id=message_id, outcome=outcome, error_class=error_class
+            )
+        conn.execute(breaker_sql.probe_again(outcome is not None), params)
 
-    def close(self, conn: Connection, epoch: int, refunded: int = 0) -> int | None:
-        """Close the group if still OPEN at `epoch`; returns the close epoch. `refunded`:
-        rows the successful probe refunded, recorded in the close's history row."""
-        params = {"gid": self.gid, "at_epoch": epoch, "member": self.member, "refunded": refunded}
+    def close(
+        self, conn: Connection, epoch: int, refunded: int = 0, message_id: int | None = None
+    ) -> int | None:
+        """Close the group if still OPEN at `epoch` and log the successful probe (on
+        `message_id`); returns the close epoch. `refunded`: rows the successful probe
+        refunded, recorded in the close's history row."""
+        params = {
+            "gid": self.gid,
+            "at_epoch": epoch,
+            "member": self.member,
+            "refunded": refunded,
+            "probe_id": message_id,
+        }
         return conn.execute(breaker_sql.close(), params).scalar()
 
     def reconcile_batch(
@@ -467,6 +503,12 @@ class GroupStore:
             {"topic_id": topic_id, "retention": dt.timedelta(seconds=retention), "limit": limit},
         ).all()
         return len(rows)
+
+    def expire_probes(self, conn: Connection, retention: float, limit: int = EXPIRE_BATCH) -> int:
+        """Delete one batch of this group's logged probes older than `retention`
+        seconds; returns how many."""
+        params = {"gid": self.gid, "retention": dt.timedelta(seconds=retention), "limit": limit}
+        return int(conn.execute(frontier_sql.delete_expired_probes(), params).scalar() or 0)
 
     # -- membership -----------------------------------------------------------
 

@@ -86,13 +86,27 @@ def member_rows(engine: Engine, group: str, ttl: float, recent: float | None) ->
         return _members(conn, ttl, recent, group_info(conn, group).id)
 
 
-def breaker_rows(engine: Engine, group: str, history_limit: int) -> tuple[Row[Any], list[Row[Any]]]:
-    """The group row and its newest `history_limit` breaker transitions."""
+@dataclass(frozen=True, slots=True)
+class BreakerRows:
+    """One group's breaker as read for `breaker`: its row, newest transitions and
+    newest probes (each newest first)."""
+
+    row: Row[Any]
+    history: list[Row[Any]]
+    probes: list[Row[Any]]
+
+
+def breaker_rows(engine: Engine, group: str, history_limit: int, probe_limit: int) -> BreakerRows:
+    """The group row, its newest `history_limit` breaker transitions and its newest
+    `probe_limit` probes, from one snapshot; raises `UnknownGroup`."""
     with snapshot(engine) as conn:
         gid = group_info(conn, group).id
         row = conn.execute(q.group_row(), {"group_id": gid}).one()
-        params = {"group_id": gid, "limit": max(history_limit, 0)}
-        return row, list(conn.execute(q.breaker_history(), params))
+        history = conn.execute(
+            q.breaker_history(), {"group_id": gid, "limit": max(history_limit, 0)}
+        )
+        probes = conn.execute(q.probes(), {"group_id": gid, "limit": max(probe_limit, 0)})
+        return BreakerRows(row, list(history), list(probes))
 
 
 def dead_rows(engine: Engine, group: str, limit: int) -> list[Row[Any]]:

@@ -19,15 +19,17 @@ from pgq.errors import PgqError
 from pgq.sql.locks import lock_key, xact_lock
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
+from pgq.store.privileges import carry_grants_to_probe_log
 
 logger = logging.getLogger(__name__)
 
 
 def _v1_initial(conn: Connection) -> None:
     # A fresh install: the tables as declared in pgq.schema now. A database
-    # that holds version 1 as released (tests/fixtures/schemas/v1.sql) gets the
-    # objects added since from the migrations below, which check what exists
-    # first, so both paths end in the same schema (tests/integration/test_upgrade.py).
+    # that holds an older version as released (tests/fixtures/schemas/v<N>.sql)
+    # gets the objects added since from the migrations below, which check what
+    # exists first, so every path ends in the same schema
+    # (tests/integration/test_upgrade.py).
     t.metadata.create_all(conn, checkfirst=False)
 
 
@@ -38,9 +40,19 @@ def _v2_charged_index(conn: Connection) -> None:
     t.charged_index.create(conn, checkfirst=True)
 
 
+def _v3_probe_log(conn: Connection) -> None:
+    # Every group probe with its outcome, for the breaker's timeline. A fresh
+    # install already has it from version 1 (the tables as declared). Roles
+    # granted a job before keep being able to do it (decision 0022).
+    t.probe.create(conn, checkfirst=True)
+    for statement in carry_grants_to_probe_log(conn):
+        logger.info("migration granted schema=%s statement=%s", schema_of(conn), statement)
+
+
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection], None]], ...] = (
     (1, "initial tables", _v1_initial),
     (2, "index of the rows an outage charged", _v2_charged_index),
+    (3, "the probe log", _v3_probe_log),
 )
 LATEST = MIGRATIONS[-1][0]
 

@@ -137,6 +137,25 @@ def _named(schema: str, job: str, rows: list[tuple[str, str]]) -> str:
     )
 
 
+def carry_grants_to_probe_log(conn: Connection) -> list[str]:
+    """Schema version 3: grant on `probe` what each role's privileges on
+    `breaker_history` say its job is (`PROBE_LOG_CARRIED`); returns the statements
+    run. Runs in the migration's transaction, as the role that runs `pgq init`."""
+    schema = schema_of(conn)
+    statements = []
+    for had, privileges in privileges_sql.PROBE_LOG_CARRIED.items():
+        params = {"schema": schema, "table": "breaker_history", "privilege": had}
+        for role in conn.execute(privileges_sql.grantees(), params).scalars():
+            grant = privileges_sql.grant_statement("TABLE", schema, "probe", privileges, role)
+            statements.append(grant.as_string(None))
+    driver = conn.connection.driver_connection
+    assert driver is not None
+    with driver.cursor() as cur:
+        for statement in statements:
+            cur.execute(statement)  # no parameters: the text as rendered
+    return statements
+
+
 def require_privileges(conn: Connection, job: str) -> None:
     """Raise `PermissionDenied` naming every privilege `job` needs on the schema
     that the current role lacks (nothing when it has them all)."""

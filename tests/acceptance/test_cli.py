@@ -96,9 +96,11 @@ def test_members_breaker_and_dead(orders, pgq_env):
     assert json.loads(ok(invoke(pgq_env, "members", "billing", "--json")).stdout) == []
     b = json.loads(ok(invoke(pgq_env, "breaker", "billing", "--json")).stdout)
     assert (b["state"], b["epoch"], b["prober"], b["history"]) == ("CLOSED", 0, None, [])
+    assert b["probes"] == []
     assert json.loads(ok(invoke(pgq_env, "dead", "billing", "--json", "--limit", "5")).stdout) == []
     assert "no members" in ok(invoke(pgq_env, "members", "billing")).stdout
-    assert "CLOSED" in ok(invoke(pgq_env, "breaker", "billing")).stdout
+    human = ok(invoke(pgq_env, "breaker", "billing")).stdout
+    assert "CLOSED" in human and "probes: none" in human
     assert "no dead rows" in ok(invoke(pgq_env, "dead", "billing")).stdout
 
 

@@ -21,13 +21,14 @@ import psycopg
 import pytest
 from helpers import FAST, wait_until
 from roles import EVERYTHING, consumer_role
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import DBAPIError
 
 import pgq
 from pgq import schema as t
 from pgq.errors import PermissionDenied
 from pgq.sql import frontier as frontier_sql
+from pgq.store import GroupStore, group_info, run_once
 
 
 class Role(NamedTuple):
@@ -128,6 +129,7 @@ def test_exactly_the_consumer_privileges_run_a_whole_outage(orders, as_role, cap
     "without",
     [
         (("breaker", "UPDATE"),),
+        (("probe", "INSERT"),),
         (("message", "SELECT"),),
         (("message", "DELETE"),),
         (("lease_token", "USAGE"),),
@@ -137,6 +139,7 @@ def test_exactly_the_consumer_privileges_run_a_whole_outage(orders, as_role, cap
     ],
     ids=[
         "breaker-update",
+        "probe-insert",
         "message-select",
         "message-delete",
         "sequence",
@@ -185,6 +188,39 @@ def test_retention_needs_update_on_one_column_to_lock(orders, as_role, without):
     with pytest.raises(DBAPIError) as info:
         expire()
     assert isinstance(info.value.orig, psycopg.errors.InsufficientPrivilege), info.value
+
+
+@pytest.mark.parametrize(
+    "without",
+    [(), (("probe", "INSERT"),), (("probe", "SELECT"),), (("probe", "DELETE"),)],
+    ids=["all", "insert", "select", "delete"],
+)
+def test_the_probe_log_needs_each_of_its_privileges(orders, as_role, without):
+    """A probe's outcome writes its log row (INSERT); retention chooses the old ones
+    by their time (SELECT) and deletes them (DELETE): each is needed by the statements
+    themselves, not only by the start-up check."""
+    with orders.begin() as conn:
+        conn.execute(update(t.breaker).values(state="OPEN", epoch=1, next_probe_at=None))
+    gid = group_info(orders, "billing").id
+    store = GroupStore(gid, "billing", "orders", "prober", 30, 3)
+    eng = as_role(*without).engine
+    work: dict[str, Callable[[], object]] = {
+        "log": lambda: run_once(eng, store.probe_failed, 1, 1.0, 7),
+        "prune": lambda: run_once(eng, store.expire_probes, -1.0),
+    }
+    done: dict[str, object] = {}
+    for what, do in work.items():
+        try:
+            done[what] = do()
+        except PermissionDenied:
+            done[what] = "refused"
+    expected = {
+        (): {"log": 1, "prune": 1},
+        (("probe", "INSERT"),): {"log": "refused", "prune": 0},
+        (("probe", "SELECT"),): {"log": 1, "prune": "refused"},
+        (("probe", "DELETE"),): {"log": 1, "prune": "refused"},
+    }
+    assert done == expected[without]
 
 
 def test_a_role_granted_by_an_earlier_pgq_still_starts(orders, as_role, schema):

@@ -56,8 +56,9 @@ def fail(msg: pgq.Message) -> None:
 
 @pytest.fixture
 def hostile(engine: Engine) -> Engine:
-    """Group `g` with the hostile members and one row a real handler killed with the
-    hostile text; group `GROUP2` on topic `TOPIC2`, written with SQL."""
+    """Group `g` with the hostile members (who probed it, too) and one row a real
+    handler killed with the hostile text; group `GROUP2` on topic `TOPIC2`, written
+    with SQL."""
     pgq.create_topic(engine, "t")
     pgq.subscribe(engine, "g", "t")
     with engine.begin() as conn:
@@ -65,6 +66,10 @@ def hostile(engine: Engine) -> Engine:
         conn.execute(
             insert(t.member),
             [{"group_id": gid, "name": n, "host": "old\x1b[2Jhost", "pid": 1} for n in MEMBERS],
+        )
+        conn.execute(
+            insert(t.probe),
+            [{"group_id": gid, "epoch": 1, "member": n, "outcome": "failed"} for n in MEMBERS],
         )
         tid = conn.scalar(insert(t.topic).values(name=TOPIC2).returning(t.topic.c.id))
         conn.execute(insert(t.consumer_group).values(name=GROUP2, topic_id=tid))
@@ -105,6 +110,8 @@ def test_what_is_escaped_stays_readable(hostile, pgq_env):
     dead = invoke(pgq_env, "dead", "g").output
     # the error cell is one line: its newline collapses into a space like any whitespace
     assert "ValueError: \\x1b]0;owned\\x07 FORGED error line" in dead
+    breaker = invoke(pgq_env, "breaker", "g").output
+    assert "x\\nFORGED" in breaker and "cr\\roverwritten" in breaker  # probers shown
     everything = invoke(pgq_env, "status").output
     assert "g2\\nFORGED group" in everything and "t2\\x1b]0;owned\\x07" in everything
 
@@ -116,6 +123,8 @@ def test_json_output_gives_back_the_exact_text(hostile, pgq_env):
     assert {m["host"] for m in members if m["name"] in MEMBERS} == {"old\x1b[2Jhost"}
     [dead] = json.loads(invoke(pgq_env, "dead", "g", "--json").stdout_bytes)
     assert dead["error"] == f"ValueError: {ERROR}"
+    breaker = json.loads(invoke(pgq_env, "breaker", "g", "--json").stdout_bytes)
+    assert {p["member"] for p in breaker["probes"]} == set(MEMBERS)
     groups = json.loads(invoke(pgq_env, "status", "--json").stdout_bytes)["groups"]
     assert {(g["group"], g["topic"]) for g in groups} == {("g", "t"), (GROUP2, TOPIC2)}
     # json.dumps escapes every control and non-ASCII character: one line of ASCII

@@ -8,7 +8,9 @@ catalogs (`format_type`, `pg_get_expr`, `pg_get_constraintdef`,
 `pg_get_indexdef`, `pg_sequences`) and compared object by object. A second
 test checks that this comparison covers every declared object and that the
 catalog types are the compiled type names; a third tampers with a migrated
-schema in several ways and shows that each tampering is reported.
+schema in several ways and shows that each tampering is reported. A schema
+that an earlier version created and today's migrations upgraded is compared
+the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from fixtures.released import RELEASED, restore
 from sqlalchemy import (
     CheckConstraint,
     Connection,
@@ -158,6 +161,21 @@ def test_migrated_schema_matches_the_declared_tables(
     engine: Engine, schema: str, declared: Description
 ):
     assert differences(declared, migrated_schema(engine, schema)) == []
+
+
+@pytest.mark.parametrize("version", RELEASED, ids=lambda v: f"v{v}")
+def test_an_upgraded_schema_matches_the_declared_tables(
+    pg_dsn: str, schema: str, declared: Description, version: int
+):
+    """A schema an earlier version created (`fixtures.released`), upgraded by today's
+    migrations, ends in the declared tables too."""
+    restore(pg_dsn, schema, version)
+    engine = pgq.connect(pg_dsn, schema=schema)
+    try:
+        assert pgq.migrate(engine) == LATEST
+        assert differences(declared, migrated_schema(engine, schema)) == []
+    finally:
+        engine.dispose()
 
 
 # -- the comparison sees what is declared ------------------------------------------------------

@@ -395,3 +395,76 @@ def test_a_probe_slot_renewed_late_is_reported(topic, schema, consumers, caplog)
     wait_until(
         lambda: "probe slot not renewed in time" in caplog.text, 10, "the late renewal's warning"
     )
+
+
+# -- the probe log ----------------------------------------------------------------------
+
+
+def test_the_probe_log_lists_every_probe_of_an_outage(topic, consumers):
+    """A real member trips the group open; its probes fail (systemic), fail, are
+    inconclusive (a message error), then succeed and close. `breaker_info` lists
+    each, newest first, under the OPEN epoch, with the prober and the message it
+    ran (before: no probe was recorded anywhere)."""
+    engine = topic
+    ids = pgq.publish_many(engine, "t", [{"i": i} for i in range(20)])
+    probes = Probes()
+    script = [ConnectionError, ConnectionError, ValueError]  # then the dependency is back
+    down = threading.Event()
+    down.set()
+
+    def handler(msg: pgq.Message) -> None:
+        if probes.note(msg):
+            n = len(probes.ids())
+            if n == len(script):
+                down.clear()
+            if n <= len(script):
+                raise script[n - 1]("scripted")
+        elif down.is_set():
+            raise ConnectionError("dependency down")
+
+    consumers(engine, handler, name="prober-a", max_attempts=50)
+    wait_until(
+        lambda: len(probes.ids()) > len(script) and breaker_state(engine) == "CLOSED",
+        30,
+        "the probes to fail, then succeed and close",
+        describe=probes.ids,
+    )
+    info = monitor.breaker_info(engine, "g")
+    opened = [h["epoch"] for h in info["history"] if h["state"] == "OPEN"]
+    assert opened == [1], info["history"]
+    logged = info["probes"]
+    assert [p["outcome"] for p in logged] == ["succeeded", "inconclusive", "failed", "failed"]
+    assert [p["error_class"] for p in logged] == [None, "message", "systemic", "systemic"]
+    assert [p["message_id"] for p in logged] == probes.ids()[::-1]
+    assert set(probes.ids()) <= set(ids)
+    for p in logged:
+        assert (p["epoch"], p["member"]) == (1, "prober-a"), p
+        assert isinstance(p["at"], str) and p["at"].endswith("+00:00"), p
+    ats = [p["at"] for p in logged]
+    assert ats == sorted(ats, reverse=True)
+    # the newest ones first, cut by the limit
+    assert monitor.breaker_info(engine, "g", probe_limit=1)["probes"] == logged[:1]
+
+
+def test_retention_deletes_the_groups_old_probes(topic, schema):
+    """A member's retention pass deletes its group's probes older than `retention` and
+    keeps the younger ones and other groups' (before: there was no probe log)."""
+    engine = topic
+    pgq.subscribe(engine, "other", "t")
+    sql(
+        engine,
+        f'INSERT INTO "{schema}".probe (group_id, epoch, at, member, outcome)'
+        " SELECT c.id, 1, now() - make_interval(mins => h * 60 - 30), 'm', 'failed'"
+        f' FROM "{schema}".consumer_group c, generate_series(1, 48) AS h',
+    )
+    summary = pgq.Consumer(engine, "g", lambda msg: None, **SHORT, retention=86400).run(
+        until_empty=True
+    )
+    assert summary.stop_reason == "empty"
+    with engine.connect() as conn:
+        left = conn.exec_driver_sql(
+            f'SELECT c.name, count(*) FROM "{schema}".probe p'
+            f' JOIN "{schema}".consumer_group c ON c.id = p.group_id GROUP BY c.name'
+        ).all()
+    assert dict(left) == {"g": 24, "other": 48}  # the g ones 0.5 to 23.5 hours old
+    assert len(monitor.breaker_info(engine, "g", probe_limit=100)["probes"]) == 24

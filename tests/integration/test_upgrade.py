@@ -1,36 +1,34 @@
-"""`pgq init` upgrades a database in use, built by the previous version, and it drains.
+"""`pgq init` upgrades a database in use, built by an earlier version, and it drains.
 
-`tests/fixtures/schemas/v1.sql` is the schema version 1 created as released
-(pg_dump of `pgq init` at fcf4473). The test restores it, leaves the rows an
-outage leaves behind in it (ready, leased by a member that died, waiting for a
-retry, dead of the outage, dead for real), upgrades it with today's `pgq init`
-while the group's breaker is OPEN, and drains it with one cron-style run.
+`tests/fixtures/schemas/v<N>.sql` is the schema each earlier version created as
+released (`fixtures.released`). For each, the test restores it, leaves the rows
+an outage leaves behind in it (ready, leased by a member that died, waiting for
+a retry, dead of the outage, dead for real), upgrades it with today's `pgq init`
+while the group's breaker is OPEN, and drains it with one cron-style run, whose
+probe closes the group and is logged (schema version 3).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
-import psycopg
 import pytest
+from fixtures.released import RELEASED, restore
 from helpers import FAST
+from roles import consumer_role, job_role
 from sqlalchemy import Engine, text
 
 import pgq
 from pgq import monitor
+from pgq.store import run_once
 from pgq.store.migrations import LATEST
+from pgq.store.privileges import require_privileges
 
-V1 = Path(__file__).parent.parent / "fixtures" / "schemas" / "v1.sql"
 
-
-@pytest.fixture
-def v1(pg_dsn: str, schema: str) -> Iterator[Engine]:
-    """The test's schema at version 1 as released, with group `g` on topic `t`."""
-    ddl = V1.read_text().replace("pgq_v1_schema", f'"{schema}"')
-    with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute(ddl)
-        conn.execute(f'INSERT INTO "{schema}".schema_version (version) VALUES (1)')
+@pytest.fixture(params=RELEASED, ids=lambda v: f"v{v}")
+def released(request: pytest.FixtureRequest, pg_dsn: str, schema: str) -> Iterator[Engine]:
+    """The test's schema as an earlier version released it, with group `g` on topic `t`."""
+    restore(pg_dsn, schema, request.param)
     engine = pgq.connect(pg_dsn, schema=schema)
     pgq.create_topic(engine, "t")
     pgq.subscribe(engine, "g", "t")
@@ -38,66 +36,74 @@ def v1(pg_dsn: str, schema: str) -> Iterator[Engine]:
     engine.dispose()
 
 
+def test_every_version_before_the_latest_has_a_fixture():
+    assert tuple(range(1, LATEST)) == RELEASED
+
+
 def sql(engine: Engine, statement: str, **params: object) -> None:
     with engine.begin() as conn:
         conn.execute(text(statement), params)
 
 
-def test_init_upgrades_a_version_1_database_in_use_and_it_drains(v1: Engine, schema: str):
+def test_init_upgrades_a_database_in_use_and_it_drains(released: Engine, schema: str):
     s = f'"{schema}".delivery'
-    ids = pgq.publish_many(v1, "t", [{"i": i} for i in range(40)])
+    ids = pgq.publish_many(released, "t", [{"i": i} for i in range(40)])
     ready, leased, retrying, outage, poison = (ids[i : i + 8] for i in range(0, 40, 8))
-    # what version 1 left: a member died holding leases; retries waiting (a message
-    # failure, and a snooze after a systemic failure, which version 1 kept systemic);
-    # an outage (epoch 1, still OPEN) killed rows; real dead letters
-    sql(v1, f"UPDATE \"{schema}\".breaker SET state = 'OPEN', epoch = 1, next_probe_at = now()")
+    # what an earlier version left: a member died holding leases; retries waiting (a
+    # message failure, and a snooze after a systemic failure, which version 1 kept
+    # systemic); an outage (epoch 1, still OPEN) killed rows; real dead letters
     sql(
-        v1,
+        released,
+        f"UPDATE \"{schema}\".breaker SET state = 'OPEN', epoch = 1, next_probe_at = now()",
+    )
+    sql(
+        released,
         f"UPDATE {s} SET state = 'leased', lease_owner = 'gone', lease_seq = nextval("
         f"'\"{schema}\".lease_token'), lease_expires_at = now() - interval '1 second'"
         " WHERE message_id = ANY(:ids)",
         ids=leased,
     )
     sql(
-        v1,
+        released,
         f"UPDATE {s} SET attempts = 1, error_class = 'message', last_error = 'ValueError',"
         " error_epoch = 0, available_at = now() + interval '2 seconds'"
         " WHERE message_id = ANY(:ids)",
         ids=retrying[:4],
     )
     sql(
-        v1,
+        released,
         f"UPDATE {s} SET attempts = 1, refundable_attempts = 1, error_class = 'systemic',"
         " error_epoch = 0, available_at = now() + interval '2 seconds'"
         " WHERE message_id = ANY(:ids)",
         ids=retrying[4:],
     )
     sql(
-        v1,
+        released,
         f"UPDATE {s} SET state = 'dead', attempts = 3, refundable_attempts = 3,"
         " error_class = 'systemic', last_error = 'ConnectionError', error_epoch = 0"
         " WHERE message_id = ANY(:ids)",
         ids=outage,
     )
     sql(
-        v1,
+        released,
         f"UPDATE {s} SET state = 'dead', attempts = 3, error_class = 'message',"
         " last_error = 'ValueError', error_epoch = 0 WHERE message_id = ANY(:ids)",
         ids=poison,
     )
 
-    assert pgq.migrate(v1) == LATEST
-    assert pgq.migrate(v1) == LATEST  # idempotent
-    with v1.connect() as conn:
+    assert pgq.migrate(released) == LATEST
+    assert pgq.migrate(released) == LATEST  # idempotent
+    with released.connect() as conn:
         versions = conn.execute(text(f'SELECT version FROM "{schema}".schema_version')).scalars()
         assert sorted(versions) == list(range(1, LATEST + 1))
-        assert conn.execute(text(f"SELECT to_regclass('\"{schema}\".delivery_charged_idx')"))
-    state, line = monitor.check(v1, "g")
+        for added in ("delivery_charged_idx", "probe", "probe_at_idx"):  # versions 2, 3
+            assert conn.scalar(text(f"SELECT to_regclass('\"{schema}\".{added}')")), added
+    state, line = monitor.check(released, "g")
     assert (state, line.split(";")[0]) == ("CRITICAL", "CRITICAL: 8 dead rows (8 message)")
 
     handled: list[tuple[int, int]] = []
     consumer = pgq.Consumer(
-        v1,
+        released,
         "g",
         lambda m: handled.append((m.id, m.attempt)),
         **FAST,
@@ -107,7 +113,7 @@ def test_init_upgrades_a_version_1_database_in_use_and_it_drains(v1: Engine, sch
     summary = consumer.run(until_empty=True, wait_retries=10)
     assert summary.stop_reason == "empty"
 
-    status = pgq.status(v1, "g")
+    status = pgq.status(released, "g")
     assert status["breaker"]["state"] == "CLOSED"
     assert status["counts"]["dead"] == len(poison)
     assert status["counts"]["ready"] == status["counts"]["leased"] == 0
@@ -117,3 +123,38 @@ def test_init_upgrades_a_version_1_database_in_use_and_it_drains(v1: Engine, sch
     assert all(attempts[i] == 2 for i in retrying[:4])
     # the dead member's leases expired while the group was OPEN: charged, refunded too
     assert status["totals"]["refunded"] == len(outage) + len(retrying[4:]) + len(leased)
+    # the run's probe closed the group, and the probe log has it (version 3)
+    [probe] = monitor.breaker_info(released, "g")["probes"]
+    assert (probe["epoch"], probe["outcome"], probe["member"]) == (1, "succeeded", consumer.name)
+    assert probe["message_id"] in ids
+
+
+def test_init_keeps_each_role_able_to_do_its_job(released: Engine, pg_dsn: str, schema: str):
+    """Roles granted a consumer's and an administrator's privileges before the upgrade
+    get what their job needs on the probe log (schema version 3), and no more: the
+    consumer is not refused at start, `pgq breaker` works for the administrator."""
+    probe_log = tuple(("probe", p) for p in ("SELECT", "INSERT", "DELETE"))
+    with (
+        consumer_role(pg_dsn, schema, without=probe_log) as (consumer, consumer_dsn),
+        job_role(pg_dsn, schema, "admin", without=probe_log) as (admin, admin_dsn),
+    ):
+        assert pgq.migrate(released) == LATEST
+        for job, dsn in (("consumer", consumer_dsn), ("admin", admin_dsn)):
+            eng = pgq.connect(dsn, schema=schema)
+            try:
+                run_once(eng, require_privileges, job)
+            finally:
+                eng.dispose()
+        with released.connect() as conn:
+            admin_writes = conn.scalar(
+                text("SELECT has_table_privilege(:role, :probe, 'INSERT')"),
+                {"role": admin, "probe": f'"{schema}".probe'},
+            )
+        assert admin_writes is False
+        eng = pgq.connect(consumer_dsn, schema=schema)
+        try:
+            pgq.publish(released, "t", {"n": 1})
+            summary = pgq.Consumer(eng, "g", lambda m: None, **FAST).run(until_empty=True)
+        finally:
+            eng.dispose()
+        assert (summary.stop_reason, summary.done) == ("empty", 1), consumer
