@@ -41,9 +41,6 @@ from pgq.sql.refunds import carries_charges, charged_within
 br, hist, mb, d, g = t.breaker, t.breaker_history, t.member, t.delivery, t.consumer_group
 pr = t.probe
 
-PROBE_OUTCOMES = ("failed", "inconclusive", "succeeded")
-"""The outcomes the probe log records (`probe.outcome`)."""
-
 
 def _live_members() -> ColumnElement[bool]:
     return and_(mb.c.group_id == bindparam("gid"), member_live())
