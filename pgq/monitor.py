@@ -38,6 +38,7 @@ __all__ = [
     "check",
     "check_verdict",
     "dead",
+    "dead_split",
     "frontier_held_by",
     "iso",
     "members",
@@ -242,12 +243,18 @@ def breaker_info(
     return info
 
 
-def dead(engine: Engine, group: str, limit: int = 100) -> list[dict[str, Any]]:
-    """Up to `limit` dead rows of `group`, by message id; raises `UnknownGroup`.
+def dead(
+    engine: Engine, group: str, limit: int = 100, *, error_class: str | None = None
+) -> list[dict[str, Any]]:
+    """Up to `limit` dead rows of `group` (only those of `error_class`, one of
+    `systemic`, `message`, `permanent`, `lease`, when given), by message id;
+    raises `UnknownGroup`, and `UsageError` for another class.
 
     Each is `{"message_id", "attempts", "reclaims", "refunds", "error_class",
     "error", "updated_at"}`.
     """
+    if error_class is not None:
+        admin.check_error_class(error_class)
     return [
         {
             "message_id": r.message_id,
@@ -258,7 +265,7 @@ def dead(engine: Engine, group: str, limit: int = 100) -> list[dict[str, Any]]:
             "error": r.error,
             "updated_at": iso(r.updated_at),
         }
-        for r in inspect.dead_rows(engine, group, limit)
+        for r in inspect.dead_rows(engine, group, limit, error_class)
     ]
 
 
@@ -319,6 +326,17 @@ def check_verdict(
         f"OK: breaker {state} (epoch {epoch}), lag {lag},"
         f" committed {committed if committed is not None else 'none'}, no dead rows"
     )
+
+
+def dead_split(
+    engine: Engine, group: str, max_refunds: int = DEFAULT_MAX_REFUNDS
+) -> dict[str, int]:
+    """`{"dead", "pending", "real"}`: the dead rows of `group`, those a coming or owed
+    reconciliation will refund (`pending`, as `check` counts them) and the rest
+    (`real` dead letters). Raises like `check`."""
+    _, dead_row = inspect.check_rows(engine, group, max_refunds)
+    dead, pending = int(dead_row.dead), int(dead_row.pending)
+    return {"dead": dead, "pending": pending, "real": dead - pending}
 
 
 def check(engine: Engine, group: str, max_refunds: int = DEFAULT_MAX_REFUNDS) -> tuple[str, str]:

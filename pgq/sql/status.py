@@ -165,10 +165,11 @@ def probes() -> Select[Any]:
 
 
 @cache
-def dead_rows() -> Select[Any]:
-    """The first `:limit` dead rows of group `:group_id`, by message id."""
+def dead_rows(by_class: bool = False) -> Select[Any]:
+    """The first `:limit` dead rows of group `:group_id`, by message id; only those
+    of error class `:error_class` when `by_class`."""
     d = t.delivery
-    return (
+    stmt = (
         select(
             d.c.message_id,
             d.c.attempts,
@@ -182,6 +183,7 @@ def dead_rows() -> Select[Any]:
         .order_by(d.c.message_id)
         .limit(bindparam("limit", type_=Integer))
     )
+    return stmt.where(d.c.error_class == bindparam("error_class")) if by_class else stmt
 
 
 _activity = table(

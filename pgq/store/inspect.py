@@ -109,11 +109,15 @@ def breaker_rows(engine: Engine, group: str, history_limit: int, probe_limit: in
         return BreakerRows(row, list(history), list(probes))
 
 
-def dead_rows(engine: Engine, group: str, limit: int) -> list[Row[Any]]:
-    """Up to `limit` dead rows of `group`, by message id; raises `UnknownGroup`."""
+def dead_rows(
+    engine: Engine, group: str, limit: int, error_class: str | None = None
+) -> list[Row[Any]]:
+    """Up to `limit` dead rows of `group` (of `error_class` only, when given), by
+    message id; raises `UnknownGroup`."""
     with snapshot(engine) as conn:
         gid = group_info(conn, group).id
-        return list(conn.execute(q.dead_rows(), {"group_id": gid, "limit": max(limit, 0)}))
+        params = {"group_id": gid, "limit": max(limit, 0), "error_class": error_class}
+        return list(conn.execute(q.dead_rows(error_class is not None), params))
 
 
 def frontier_holder(engine: Engine) -> Row[Any] | None:
