@@ -13,70 +13,26 @@ payloads, error texts, reasons and names come from users and handlers.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable
 from typing import Any
 
 import click
 
 from pgq import monitor
 from pgq.cli.base import State, emit, json_option, pass_state
-from pgq.cli.render import one_line, table, visible
+from pgq.cli.parse import parse_age, parse_ids, parse_message_id
+from pgq.cli.render import message_lines, one_line, table
 from pgq.errors import UsageError
 from pgq.schema import ERROR_CLASSES
-from pgq.settings import parse_duration
 from pgq.store import purge, requeue
-from pgq.store.admin import MAX_AUDIT_LIMIT, MAX_MESSAGE_ID, MAX_OLDER_THAN
+from pgq.store.admin import MAX_AUDIT_LIMIT
 
 __all__ = [
     "audit_command",
     "audit_lines",
-    "message_lines",
-    "parse_age",
-    "parse_ids",
-    "parse_message_id",
     "purge_command",
     "requeue_command",
     "show_command",
 ]
-
-
-def parse_message_id(text: str) -> int:
-    """The message id in `text`: ASCII digits, 1 to 2**63 - 1; else `UsageError`."""
-    digits = text.strip()
-    numeric = digits.isascii() and digits.isdigit() and len(digits) <= 19
-    if not numeric or not 1 <= int(digits) <= MAX_MESSAGE_ID:
-        raise UsageError(
-            f"invalid message id {digits[:40]!r}: use a positive integer up to {MAX_MESSAGE_ID}"
-        )
-    return int(digits)
-
-
-def parse_ids(values: Iterable[str]) -> list[int]:
-    """Message ids from `--id` values (each one id or a comma-separated list), deduplicated.
-
-    Raises `UsageError` naming the first value that is not a valid message id.
-    """
-    ids: dict[int, None] = {}
-    for value in values:
-        for part in value.split(","):
-            ids[parse_message_id(part)] = None
-    return list(ids)
-
-
-def parse_age(text: str) -> float:
-    """Seconds in `--older-than`: a number of seconds or a duration such as `7d`,
-    `12h`, `30m`, `90s`, from 0 to 100 years; else `UsageError`."""
-    try:
-        seconds = parse_duration(text)
-    except ValueError:
-        seconds = -1.0
-    if not 0 <= seconds <= MAX_OLDER_THAN:
-        raise UsageError(
-            f"invalid --older-than {text[:40]!r}: use seconds or a duration"
-            " such as 7d, 12h, 30m, 90s (at most 100 years)"
-        )
-    return seconds
 
 
 def _reason_given(reason: str | None) -> str:
@@ -172,64 +128,6 @@ def purge_command(
     )
     kept = f", kept {result.kept} pending reconciliation" if result.kept else ""
     click.echo(f"purged {result.count}{kept}")
-
-
-def _json_text(value: Any) -> str:
-    return visible(json.dumps(value, ensure_ascii=False))
-
-
-def message_lines(m: dict[str, Any]) -> list[str]:
-    """`pgq show GROUP ID`: one `name  value` line per field."""
-    state = m["state"]
-    if m["row"] == "pruned":
-        state += " (row pruned behind the frontier: its counters are gone)"
-    elif m["row"] == "purged":
-        p = m["purge"]
-        state += f" (audit {p['audit_id']}, {p['at']}, by {p['actor']}: {one_line(p['reason'])})"
-    lease = "-"
-    if m["lease_owner"] is not None:
-        lease = f"{m['lease_owner']} until {m['lease_expires_at'] or '-'}"
-    fields: list[tuple[str, object]] = [
-        ("message", m["message_id"]),
-        ("group", f"{m['group']} (topic {m['topic']})"),
-        ("state", state),
-        ("behind frontier", m["behind_frontier"]),
-        ("key", m["key"]),
-        ("created_at", m["created_at"]),
-        ("available_at", m["available_at"]),
-        ("updated_at", m["updated_at"]),
-        ("attempts", m["attempts"]),
-        ("reclaims", m["reclaims"]),
-        ("refundable", _refundable(m)),
-        ("refunds", m["refunds"]),
-        ("error_class", m["error_class"]),
-        ("error_epoch", m["error_epoch"]),
-        ("error", m["error"]),
-        ("lease", lease),
-        ("headers", None if m["headers"] is None else _json_text(m["headers"])),
-        (
-            "payload",
-            m["unreadable"]
-            if m["payload"] is None and m["unreadable"]
-            else _json_text(m["payload"]),
-        ),
-    ]
-    width = max(len(name) for name, _ in fields)
-    return [f"{name.ljust(width)}  {_value(value)}" for name, value in fields]
-
-
-def _refundable(m: dict[str, Any]) -> str | None:
-    if m["refundable_attempts"] is None:
-        return None
-    return f"attempts {m['refundable_attempts']}, reclaims {m['refundable_reclaims']}"
-
-
-def _value(value: object) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return visible(str(value))
 
 
 @click.command("show")

@@ -1,4 +1,4 @@
-"""Human output: the lines `pgq status`, `members`, `breaker`, `dead` and `server status` print.
+"""Human output: the lines `status`, `members`, `breaker`, `dead`, `show` and `server status` print.
 
 Each renderer takes exactly the data the command prints with `--json` (the
 `pgq.monitor` dicts, DESIGN §7) and returns lines; it neither reads the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as dt
 import functools
+import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ParamSpec
 
@@ -27,6 +28,7 @@ __all__ = [
     "breaker_word",
     "dead_lines",
     "members_lines",
+    "message_lines",
     "one_line",
     "server_status_lines",
     "status_all_lines",
@@ -282,3 +284,61 @@ def server_status_lines(d: dict[str, Any]) -> list[str]:
         what = f"not ready, pid {d['pid']}" if d["pid"] else "not running"
         return [f"{what} (data in {d['data_dir']})"]
     return [f"running, pid {d['pid']}", f"dsn   {d['dsn']}", f"data  {d['data_dir']}"]
+
+
+def _json_text(value: Any) -> str:
+    return visible(json.dumps(value, ensure_ascii=False))
+
+
+def message_lines(m: dict[str, Any]) -> list[str]:
+    """`pgq show GROUP ID`: one `name  value` line per field."""
+    state = m["state"]
+    if m["row"] == "pruned":
+        state += " (row pruned behind the frontier: its counters are gone)"
+    elif m["row"] == "purged":
+        p = m["purge"]
+        state += f" (audit {p['audit_id']}, {p['at']}, by {p['actor']}: {one_line(p['reason'])})"
+    lease = "-"
+    if m["lease_owner"] is not None:
+        lease = f"{m['lease_owner']} until {m['lease_expires_at'] or '-'}"
+    fields: list[tuple[str, object]] = [
+        ("message", m["message_id"]),
+        ("group", f"{m['group']} (topic {m['topic']})"),
+        ("state", state),
+        ("behind frontier", m["behind_frontier"]),
+        ("key", m["key"]),
+        ("created_at", m["created_at"]),
+        ("available_at", m["available_at"]),
+        ("updated_at", m["updated_at"]),
+        ("attempts", m["attempts"]),
+        ("reclaims", m["reclaims"]),
+        ("refundable", _refundable(m)),
+        ("refunds", m["refunds"]),
+        ("error_class", m["error_class"]),
+        ("error_epoch", m["error_epoch"]),
+        ("error", m["error"]),
+        ("lease", lease),
+        ("headers", None if m["headers"] is None else _json_text(m["headers"])),
+        (
+            "payload",
+            m["unreadable"]
+            if m["payload"] is None and m["unreadable"]
+            else _json_text(m["payload"]),
+        ),
+    ]
+    width = max(len(name) for name, _ in fields)
+    return [f"{name.ljust(width)}  {_value(value)}" for name, value in fields]
+
+
+def _refundable(m: dict[str, Any]) -> str | None:
+    if m["refundable_attempts"] is None:
+        return None
+    return f"attempts {m['refundable_attempts']}, reclaims {m['refundable_reclaims']}"
+
+
+def _value(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return visible(str(value))

@@ -30,8 +30,8 @@ from markupsafe import Markup
 from werkzeug.exceptions import HTTPException
 
 from pgq import monitor
-from pgq.cli.admin import message_lines, parse_age, parse_ids, parse_message_id
-from pgq.cli.render import ago, visible
+from pgq.cli.parse import parse_age, parse_ids, parse_message_id
+from pgq.cli.render import ago, message_lines, visible
 from pgq.errors import DatabaseUnavailable, PgqError, UnknownGroup, UsageError
 from pgq.store import admin as store_admin
 from pgq.web.charts import sparkline
@@ -47,7 +47,7 @@ CSP = (
     "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
 ERROR_CLASSES = ("systemic", "message", "permanent", "lease")
-WINDOWS = {"auto": None, "5m": 300.0, "1h": 3600.0, "24h": 86400.0}
+WINDOWS = {"auto": None, "1m": 60.0, "5m": 300.0, "1h": 3600.0, "24h": 86400.0}
 """The breaker timeline's spans a group page offers (`?window=`)."""
 
 
