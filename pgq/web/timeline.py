@@ -18,7 +18,7 @@ __all__ = ["Event", "Span", "Timeline", "timeline"]
 
 OUTCOME_CLASS = {"failed": "bad", "inconclusive": "meh", "succeeded": "good"}
 
-WINDOWS = (300.0, 900.0, 3600.0, 6 * 3600.0, 24 * 3600.0)
+WINDOWS = (60.0, 300.0, 900.0, 3600.0, 6 * 3600.0, 24 * 3600.0)
 """The spans a timeline may cover; `timeline` picks the smallest that shows the last
 outage from its start (a five-second outage drawn over an hour is a dot)."""
 

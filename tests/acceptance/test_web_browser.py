@@ -151,8 +151,9 @@ def test_an_operator_watches_an_outage_open_probe_close_and_refund(browser, memb
         30,
         "three failed probes on the timeline",
     )
-    probers = {e.get_attribute("data-member") for e in driver.find_elements("css selector", failed)}
-    assert probers == {prober}, probers
+    # newest first; a prober keeps its turn for `breaker.prober_turns` (3) probes
+    first = [e.get_attribute("data-member") for e in driver.find_elements("css selector", failed)]
+    assert len(set(first[-3:])) == 1, first
     shoot(driver, tmp_path, "open")
     assert driver.execute_script("return window.pgqNotReloaded === true"), "the page reloaded"
 

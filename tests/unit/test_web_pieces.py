@@ -89,7 +89,9 @@ def test_spans_before_the_window_are_left_out():
 @pytest.mark.parametrize(
     ("opened", "window"),
     [
-        (10, 300),
+        (10, 60),
+        (47, 60),
+        (49, 300),
         (239, 300),
         (241, 900),
         (700, 900),
