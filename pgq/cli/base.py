@@ -293,3 +293,5 @@ def bind_dashboard(engine: Engine, host: str, port: int, **options: Any) -> Any:
         return web.dashboard_server(engine, host=host, port=port, **options)
     except OSError as exc:
         raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    except ValueError:  # waitress: the address does not resolve
+        raise UsageError(f"cannot listen on {host!r}: not an address of this machine") from None

@@ -13,7 +13,7 @@ import os
 
 import click
 
-from pgq.cli.base import State, pass_state
+from pgq.cli.base import State, bind_dashboard, pass_state, web_extra
 from pgq.errors import UsageError
 from pgq.monitor import status_all
 
@@ -42,30 +42,21 @@ def web(state: State, host: str, port: int, admin: bool) -> None:
     `/api/groups/GROUP` answer the JSON of `pgq status --json`; `/healthz`
     says whether the database answers. Ctrl-C stops it.
     """
-    try:
-        from pgq.web import WebOptions, dashboard_server
-        from pgq.web.guard import MIN_TOKEN_LENGTH, TOKEN_ENV
-    except ImportError as exc:
-        raise UsageError(
-            f"pgq web needs the web extra ({exc.name} is missing): pip install 'pgq-breaker[web]'"
-        ) from None
+    web = web_extra()
     token = None
     if admin:
-        token = os.environ.get(TOKEN_ENV, "")
-        if len(token) < MIN_TOKEN_LENGTH:
+        token = os.environ.get(web.TOKEN_ENV, "")
+        if len(token) < web.MIN_TOKEN_LENGTH:
             raise UsageError(
-                f"--admin needs a token of at least {MIN_TOKEN_LENGTH} characters in"
-                f" ${TOKEN_ENV} (for example: export {TOKEN_ENV}=$(openssl rand -hex 16))"
+                f"--admin needs a token of at least {web.MIN_TOKEN_LENGTH} characters in"
+                f" ${web.TOKEN_ENV} (for example: export {web.TOKEN_ENV}=$(openssl rand -hex 16))"
             )
     settings = state.settings
-    options = WebOptions(
+    options = web.WebOptions(
         member_ttl=settings.breaker_member_ttl, max_refunds=settings.breaker_max_refunds
     )
     status_all(state.engine, member_ttl=options.member_ttl)
-    try:
-        server = dashboard_server(state.engine, host=host, port=port, token=token, options=options)
-    except OSError as exc:
-        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    server = bind_dashboard(state.engine, host, port, token=token, options=options)
     if host not in LOOPBACK:
         logger.warning(
             "web listening beyond this machine host=%s: anyone who reaches it can read"
