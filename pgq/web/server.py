@@ -3,7 +3,11 @@
 `WebServer` binds at construction (so a taken port fails at once, as
 `OSError`), serves on the caller's thread with `serve()` or on a
 `pgq-web-server` thread with `start()`, and runs the `pgq-web-sampler`
-thread while it serves. `close()` stops both.
+thread while it serves. `close()` stops both, in an order that lets the
+requests in flight finish and logs nothing: the loop thread stops accepting,
+waitress's task threads drain, then the loop thread closes what is left (a
+task thread that answered after the loop's pipe was closed made waitress log
+`Bad file descriptor` tracebacks: scripts/attacks/web_close_traceback.py).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import logging
 import threading
 from typing import Any
 
+from waitress import wasyncore
 from waitress.server import create_server
 
 from pgq.web.app import create_app
@@ -23,6 +28,11 @@ __all__ = ["WebServer"]
 logger = logging.getLogger(__name__)
 
 THREADS = 8
+DRAIN_TIMEOUT = 5.0
+"""Seconds `close()` waits for requests in flight."""
+
+# one warning per request queued behind busy threads is noise, not news
+logging.getLogger("waitress.queue").setLevel(logging.ERROR)
 
 
 class WebServer:
@@ -77,7 +87,24 @@ class WebServer:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._server.close()
+        server = self._server
+        serving = any(t.name == "pgq-web-server" and t.is_alive() for t in self._threads)
+        if not serving or threading.current_thread().name == "pgq-web-server":
+            server.task_dispatcher.shutdown(timeout=DRAIN_TIMEOUT)
+            self.dashboard.close()
+            wasyncore.close_all(server._map)
+            return
+        self._in_loop(lambda: wasyncore.dispatcher.close(server))  # stop accepting
+        server.task_dispatcher.shutdown(timeout=DRAIN_TIMEOUT)
+        self.dashboard.close()  # after the requests: none of them finds the readers gone
+        self._in_loop(lambda: wasyncore.close_all(server._map))
         for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=5)
+            t.join(timeout=DRAIN_TIMEOUT)
+
+    def _in_loop(self, thunk: Any) -> None:
+        """Run `thunk` on the loop thread (waitress's trigger); a trigger already closed
+        means the loop has closed everything itself."""
+        try:
+            self._server.trigger.pull_trigger(thunk)
+        except OSError:
+            pass
