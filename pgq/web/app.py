@@ -29,7 +29,6 @@ from flask import (
 from markupsafe import Markup
 from werkzeug.exceptions import HTTPException
 
-from pgq import monitor
 from pgq.cli.parse import parse_age, parse_ids, parse_message_id
 from pgq.cli.render import ago, message_lines, visible
 from pgq.errors import DatabaseUnavailable, PgqError, UnknownGroup, UsageError
@@ -173,19 +172,15 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
 
     @app.get("/api/groups")
     def api_groups() -> Any:
-        return jsonify(
-            monitor.status_all(dashboard.engine, member_ttl=dashboard.options.member_ttl)
-        )
+        return jsonify(dashboard.status(None))
 
     @app.get("/api/groups/<name>")
     def api_group(name: str) -> Any:
-        return jsonify(
-            monitor.status(dashboard.engine, name, member_ttl=dashboard.options.member_ttl)
-        )
+        return jsonify(dashboard.status(name))
 
     @app.get("/healthz")
     def healthz() -> Any:
-        dashboard.now()  # raises DatabaseUnavailable: 503
+        dashboard.health()  # raises DatabaseUnavailable: 503
         return jsonify({"ok": True})
 
     # --- changes (admin) --------------------------------------------------------

@@ -5,6 +5,12 @@ split of `check` for groups with dead rows), the group page `status`,
 `breaker_info`, `dead`, `check` and `audit`, the message page `message`.
 `Dashboard` also keeps the charts' `History`, fed by the sampler thread and
 by every overview it reads.
+
+Every read has a deadline (`read_timeout`): it runs on a `pgq-web-read`
+thread and the request waits at most that long, then answers "database
+unavailable" (503). A database that stops answering without closing the
+connection (a stalled network, a hung host) would otherwise hold every
+waitress thread forever, `/healthz` included (scripts/attacks/web_database_stalled.py).
 """
 
 from __future__ import annotations
@@ -14,13 +20,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine
 
 from pgq import monitor
-from pgq.errors import PgqError
+from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.store import database_now
 from pgq.web.history import History, lag, throughput
 from pgq.web.timeline import timeline
@@ -33,6 +41,10 @@ DEAD_LIMIT = 200
 HISTORY_LIMIT = 50
 PROBE_LIMIT = 200
 AUDIT_LIMIT = 50
+READERS = 4
+"""Threads that run the dashboard's reads (requests wait for them, with a deadline)."""
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +58,7 @@ class WebOptions:
     sample_every: float = 10.0
     chart_span: float = 3600.0
     group: str | None = None  # the group `/` opens on (`pgq demo --web`)
+    read_timeout: float = 5.0  # a page whose reads take longer is a 503
 
 
 @dataclass
@@ -58,10 +71,40 @@ class Dashboard:
         self.history = History(self.options.chart_span, self.clock)
         self._sampled = float("-inf")
         self._lock = threading.Lock()
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="pgq-web-read")
+
+    def _within(self, read: Callable[..., T], *args: Any) -> T:
+        """`read(*args)` on a reader thread; `DatabaseUnavailable` after `read_timeout`."""
+        future = self._readers.submit(read, *args)
+        try:
+            return future.result(timeout=self.options.read_timeout)
+        except FutureTimeout:
+            future.cancel()  # not started yet: never runs
+            raise DatabaseUnavailable(
+                f"the database did not answer within {self.options.read_timeout:g} s"
+            ) from None
+
+    def close(self) -> None:
+        """Stop the reader threads (a read stuck on a stalled database is left behind)."""
+        self._readers.shutdown(wait=False, cancel_futures=True)
+
+    def health(self) -> dt.datetime:
+        """The database clock, within the deadline."""
+        return self._within(self.now)
+
+    def status(self, group: str | None) -> dict[str, Any]:
+        """`pgq status [GROUP] --json`, within the deadline."""
+        ttl = self.options.member_ttl
+        if group is None:
+            return self._within(lambda: monitor.status_all(self.engine, member_ttl=ttl))
+        return self._within(lambda: monitor.status(self.engine, group, member_ttl=ttl))
 
     # --- overview ---------------------------------------------------------------
 
     def overview(self) -> dict[str, Any]:
+        return self._within(self._overview)
+
+    def _overview(self) -> dict[str, Any]:
         groups = monitor.status_all(self.engine, member_ttl=self.options.member_ttl)["groups"]
         self._maybe_sample(groups)
         start = self.clock() - self.options.chart_span
@@ -96,8 +139,7 @@ class Dashboard:
 
     def sample(self) -> None:
         """One chart sample of every group (the sampler thread's beat)."""
-        groups = monitor.status_all(self.engine, member_ttl=self.options.member_ttl)["groups"]
-        self._maybe_sample(groups)
+        self._maybe_sample(self.status(None)["groups"])
 
     def run_sampler(self, stop: threading.Event) -> None:
         """Sample every `sample_every` seconds until `stop`; a failed read is logged
@@ -118,6 +160,9 @@ class Dashboard:
     def group(
         self, name: str, error_class: str | None = None, window: float | None = None
     ) -> dict[str, Any]:
+        return self._within(self._group, name, error_class, window)
+
+    def _group(self, name: str, error_class: str | None, window: float | None) -> dict[str, Any]:
         status = monitor.status(self.engine, name, member_ttl=self.options.member_ttl)
         info = monitor.breaker_info(
             self.engine, name, history_limit=HISTORY_LIMIT, probe_limit=PROBE_LIMIT
@@ -139,6 +184,9 @@ class Dashboard:
         }
 
     def message(self, group: str, message_id: int) -> dict[str, Any]:
+        return self._within(self._message, group, message_id)
+
+    def _message(self, group: str, message_id: int) -> dict[str, Any]:
         return {"message": monitor.message(self.engine, group, message_id), "now": self.now()}
 
     def now(self) -> dt.datetime:
