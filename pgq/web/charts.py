@@ -2,7 +2,8 @@
 
 A sparkline is a polyline over the points given, scaled to its own maximum,
 with the window's start and end fixed so that charts of different groups line
-up. Everything in the SVG is numbers the server computed; no user text.
+up. The SVG is numbers the server computed, and a label made `visible` and
+escaped.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from markupsafe import Markup
+
+from pgq.cli.render import visible
 
 __all__ = ["sparkline"]
 
@@ -25,8 +28,10 @@ def sparkline(
 ) -> Markup:
     """`points` (at, value) between `start` and `end` as an SVG polyline.
 
-    `label` is the accessible name (our own words, escaped anyway).
+    `label` is the accessible name; it may hold a group's name, so it is made
+    `visible` (control and format characters escaped) and escaped.
     """
+    label = visible(label)
     span = max(end - start, 1e-9)
     top = max((v for _, v in points), default=0.0) or 1.0
     pad = 2

@@ -14,6 +14,8 @@ from typing import Any
 
 from markupsafe import Markup
 
+from pgq.cli.render import visible
+
 __all__ = ["Event", "Span", "Timeline", "timeline"]
 
 OUTCOME_CLASS = {"failed": "bad", "inconclusive": "meh", "succeeded": "good"}
@@ -73,7 +75,7 @@ class Timeline:
             if not self.start <= e.at <= self.end:
                 continue
             if e.kind == "probe":
-                title = f"probe {e.outcome} at {_hms(e.at)} by {e.member or '?'}"
+                title = visible(f"probe {e.outcome} at {_hms(e.at)} by {e.member or '?'}")
                 parts.append(
                     Markup(
                         '<circle class="probe {cls}" cx="{x:.1f}" cy="15" r="4">'
