@@ -119,18 +119,24 @@ class _StderrHandler(logging.StreamHandler[IO[str]]):
         pass
 
 
+SERVED_LIBRARIES = ("waitress",)
+"""Libraries whose warnings and errors pgq's commands report in pgq's own format
+(`pgq web` serves with waitress); they keep their own level (WARNING)."""
+
+
 def configure_logging(verbose: int, level: str | None = None, log_format: str = "text") -> None:
     """Send the `pgq` loggers to stderr: INFO by default, DEBUG with `-v`, as text or
-    JSON lines.
+    JSON lines; `SERVED_LIBRARIES` too, at their own level.
 
     Other libraries stay at the root logger's WARNING. Calling it again (tests
     invoke the CLI many times in one process) replaces the handler it installed.
     """
-    logger = logging.getLogger("pgq")
-    for handler in list(logger.handlers):
-        if isinstance(handler, _StderrHandler):
-            logger.removeHandler(handler)
     handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG if verbose else (level or "INFO").upper())
+    for name in ("pgq", *SERVED_LIBRARIES):
+        logger = logging.getLogger(name)
+        for old in list(logger.handlers):
+            if isinstance(old, _StderrHandler):
+                logger.removeHandler(old)
+        logger.addHandler(handler)
+    logging.getLogger("pgq").setLevel(logging.DEBUG if verbose else (level or "INFO").upper())
