@@ -60,8 +60,8 @@ def _finalize(value: Any) -> Any:
 def _duration(seconds: float) -> str:
     """`300` -> `5 min`, `3600` -> `1 h`, `86400` -> `24 h`."""
     if seconds >= 3600:
-        return f"{seconds / 3600:g} h"
-    return f"{seconds / 60:g} min"
+        return f"{seconds / 3600:.3g} h"
+    return f"{seconds / 60:.3g} min"
 
 
 def _pretty(value: Any) -> Markup:

@@ -107,7 +107,8 @@ class Dashboard:
     def _overview(self) -> dict[str, Any]:
         groups = monitor.status_all(self.engine, member_ttl=self.options.member_ttl)["groups"]
         self._maybe_sample(groups)
-        start = self.clock() - self.options.chart_span
+        # the charts cover what has been watched (at least a minute), all groups alike
+        start = self.clock() - max(self.history.watched(), 60.0)
         rows = []
         for g in groups:
             samples = self.history.samples(g["group"])

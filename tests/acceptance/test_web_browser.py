@@ -182,4 +182,7 @@ def test_an_operator_watches_an_outage_open_probe_close_and_refund(browser, memb
 
     driver.get(web.url + "?all=1")
     wait_until(lambda: text_of(driver, 'tr[data-group="g"] .state') == "CLOSED", 10, "overview")
+    # the charts have the outage's samples (one a second here)
+    assert driver.find_elements("css selector", 'tr[data-group="g"] svg.spark polyline')
+    shoot(driver, tmp_path, "overview-after")
     members.stop_all()
