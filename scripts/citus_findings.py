@@ -351,12 +351,29 @@ def main() -> None:
         r.run("breaker.probe_charges", breaker.probe_charges(), lease)
         r.run("breaker.probe_done", breaker.probe_done(), {**lease, "refunded": 1})
     r.run("breaker.close", breaker.close(), {**at, "member": member, "refunded": 0})
+    r.run(
+        "charge two rows by hand (as record_failures would have)",
+        "UPDATE pgq.delivery SET state = 'dead', error_class = 'systemic', error_epoch = 0,"
+        " refundable_attempts = 1, lease_owner = NULL WHERE group_id = 1 AND message_id IN"
+        " (SELECT message_id FROM pgq.delivery WHERE group_id = 1 AND state <> 'done'"
+        " ORDER BY message_id DESC LIMIT 2)",
+        {},
+    )
     refund = {"gid": 1, "from_epoch": 0, "close_epoch": epoch + 1, "max_refunds": 3}
     r.run("breaker.reconcile_batch", breaker.reconcile_batch(), {**refund, "limit": 100})
     r.run("breaker.reconcile_done", breaker.reconcile_done(), refund)
     r.run("breaker.lock_held", breaker.lock_held(), {})
     r.run("members.leave", members.leave(), {"gid": 1, "member": member, "started": started})
 
+    print("== the replicas of the reference table consumer_group (must agree)")
+    for row in r.conn.execute(
+        "SELECT nodeport, result FROM run_command_on_placements('pgq.consumer_group',"
+        " $$SELECT string_agg('g' || id || ' refunded_total=' || refunded_total"
+        " || ' committed_id=' || coalesce(committed_id::text, '-'), ', ' ORDER BY id)"
+        " FROM %s$$) ORDER BY nodeport"
+    ):
+        print(f"     node {row[0]}: {row[1]}")
+    r.conn.rollback()
     print(f"== {len(r.failures)} failed: {', '.join(r.failures)}")
 
 
