@@ -23,7 +23,10 @@ frontier lives in a table co-located with `delivery`).
 from __future__ import annotations
 
 import argparse
+import random
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -142,23 +145,33 @@ def frontier_of(c: psycopg.Connection[Any], gid: int, proposal: bool) -> tuple[A
     return row[0], row[1]
 
 
+def node_dsn(dsn: str, port: int) -> str:
+    params = psycopg.conninfo.conninfo_to_dict(dsn)
+    params["port"] = str(port)
+    return psycopg.conninfo.make_conninfo(**params)
+
+
+def make_skew(dsn: str, ports: dict[int, int], skew: int) -> None:
+    """Worker xid counters drift apart from the coordinator's in any real cluster
+    (their own local work, other databases, two-phase commits); make the drift
+    explicit: the worker with the highest port leads the coordinator by `skew`."""
+    with psycopg.connect(dsn, autocommit=True) as c:
+        cx = c.execute("SELECT pg_current_xact_id()").fetchone()
+    with psycopg.connect(node_dsn(dsn, max(ports.values())), autocommit=True) as w:
+        while True:
+            wx = w.execute("SELECT pg_current_xact_id()").fetchone()
+            if wx and cx and int(wx[0]) > int(cx[0]) + skew:
+                break
+
+
 def play(dsn: str, proposal: bool, skew: int) -> int:
     ports = setup(dsn, proposal)
     advance = advance_statement(proposal)
     violations = 0
     with psycopg.connect(dsn, autocommit=True) as c:
-        cx = c.execute("SELECT pg_current_xact_id()").fetchone()
-        ahead = max(ports.values())
-        with psycopg.connect(dsn.replace(":9701", f":{ahead}"), autocommit=True) as w:
-            # Worker xid counters drift apart from the coordinator's in any real
-            # cluster (their own local work, other databases, shard moves); make the
-            # drift explicit: one worker ahead of the coordinator by `skew` or more.
-            while True:
-                wx = w.execute("SELECT pg_current_xact_id()").fetchone()
-                if wx and cx and int(wx[0]) > int(cx[0]) + skew:
-                    break
+        make_skew(dsn, ports, skew)
         for port in sorted(set(ports.values())):
-            with psycopg.connect(dsn.replace(":9701", f":{port}"), autocommit=True) as w:
+            with psycopg.connect(node_dsn(dsn, port), autocommit=True) as w:
                 wx = w.execute("SELECT pg_current_xact_id()").fetchone()
             cx = c.execute("SELECT pg_current_xact_id()").fetchone()
             print(
@@ -225,16 +238,122 @@ def compiled_explain(stmt: Any, params: dict[str, Any]) -> tuple[str, dict[str, 
     return "EXPLAIN (COSTS OFF) " + sql, params
 
 
+def stress(dsn: str, proposal: bool, skew: int, seconds: float) -> tuple[int, int, int]:
+    """Concurrent publishers (random commit order), an acker and one advancer per
+    group for `seconds`; returns (advances, distinct unresolved rows found behind a
+    frontier, groups whose frontier did not reach their last row at the end).
+
+    The acker only acks rows ahead of the frontier, so a row the frontier passed
+    while it was still invisible stays ready behind it and is counted."""
+    ports = setup(dsn, proposal)
+    make_skew(dsn, ports, skew)
+    advance = advance_statement(proposal)
+    table = "pgq.group_frontier" if proposal else "pgq.consumer_group"
+    behind = (
+        f"(xid, message_id) <= (SELECT committed_xid, coalesce(committed_id, 0) FROM {table}"
+        " WHERE id = %(g)s)"
+    )
+    stop = threading.Event()
+    passed: set[tuple[int, int]] = set()
+    advances = [0]
+    published = [0]
+
+    def publisher(seed: int) -> None:
+        rnd = random.Random(seed)
+        with psycopg.connect(dsn) as conn:
+            while not stop.is_set():
+                publish_one(conn, rnd.randrange(1000))
+                time.sleep(rnd.random() * 0.05)  # commits land in random order
+                conn.commit()
+                published[0] += 1
+
+    def acker() -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                for g in ports:
+                    conn.execute(
+                        "UPDATE pgq.delivery SET state = 'done' WHERE group_id = %(g)s"
+                        f" AND state = 'ready' AND NOT {behind}",
+                        {"g": g},
+                    )
+                time.sleep(0.01)
+
+    def advancer(g: int) -> None:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            while not stop.is_set():
+                with conn.transaction():
+                    conn.execute(*compiled(frontier.without_jit(), {}))
+                    conn.execute(*compiled(advance, {"gid": g}))
+                advances[0] += 1
+                for row in conn.execute(
+                    "SELECT message_id FROM pgq.delivery WHERE group_id = %(g)s"
+                    f" AND state IN ('ready', 'leased') AND {behind}",
+                    {"g": g},
+                ):
+                    passed.add((g, row[0]))
+                time.sleep(0.02)
+
+    threads = [threading.Thread(target=publisher, args=(n,)) for n in range(3)]
+    threads += [threading.Thread(target=acker)]
+    threads += [threading.Thread(target=advancer, args=(g,)) for g in ports]
+    for thread in threads:
+        thread.start()
+    time.sleep(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    stalled = 0
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for g in ports:  # the end: everything acked; the frontier must reach the last row
+            conn.execute(
+                "UPDATE pgq.delivery SET state = 'done' WHERE group_id = %(g)s"
+                f" AND state = 'ready' AND NOT {behind}",
+                {"g": g},
+            )
+            last = conn.execute(
+                "SELECT max(id) FROM pgq.message",
+            ).fetchone()
+            for _ in range(2):
+                with conn.transaction():
+                    conn.execute(*compiled(frontier.without_jit(), {}))
+                    conn.execute(*compiled(advance, {"gid": g}))
+            left = conn.execute(
+                "SELECT count(*) FROM pgq.delivery WHERE group_id = %(g)s"
+                f" AND state = 'done' AND NOT {behind}",
+                {"g": g},
+            ).fetchone()
+            if left and left[0]:
+                stalled += 1
+            print(
+                f"   group {g} on node {ports[g]}: {left[0] if left else '?'} done rows still"
+                f" ahead of its frontier at the end (last message {last[0] if last else '?'})"
+            )
+    print(f"   {published[0]} publishes, {advances[0]} advances")
+    return advances[0], len(passed), stalled
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:9701/postgres")
     ap.add_argument("--skew", type=int, default=200, help="xids one worker is made to lead by")
+    ap.add_argument(
+        "--stress", type=float, default=0, help="also run concurrent publishers for S seconds"
+    )
     args = ap.parse_args()
     print("== today: delivery.xid = the coordinator's xid, frontier in consumer_group (reference)")
     today = play(args.dsn, proposal=False, skew=args.skew)
     print("== proposal: delivery.xid = the shard node's xid (trigger), frontier co-located")
     proposed = play(args.dsn, proposal=True, skew=args.skew)
     print(f"== unresolved rows passed: today {today}, proposal {proposed}")
+    if args.stress:
+        for proposal in (False, True):
+            name = "proposal" if proposal else "today"
+            print(f"== {name}, {args.stress:g} s of concurrent publishing (3 publishers)")
+            runs, passed, stalled = stress(args.dsn, proposal, args.skew, args.stress)
+            print(
+                f"== {name}: {runs} advances, {passed} unresolved rows passed,"
+                f" {stalled} group(s) whose frontier stalled"
+            )
 
 
 if __name__ == "__main__":
