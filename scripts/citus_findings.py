@@ -25,7 +25,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql import Executable
 
 import pgq
-from pgq.sql import breaker, claim, frontier, members, outcomes, publish
+from pgq.sql import admin, breaker, claim, frontier, members, outcomes, publish
 
 SECOND = dt.timedelta(seconds=1)
 DIALECT = postgresql.psycopg.dialect()  # type: ignore[attr-defined]
@@ -129,17 +129,23 @@ class Runner:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:9701/postgres")
-    ap.add_argument("--message", default="reference", choices=["reference", "topic", "local"])
+    ap.add_argument(
+        "--message",
+        default="reference",
+        choices=["reference", "topic", "local", "init"],
+        help="where `message` goes; init: the whole placement of `pgq init --distributed`",
+    )
     ap.add_argument("--plans", action="store_true", help="print the first lines of each plan")
     args = ap.parse_args()
 
     with psycopg.connect(args.dsn, autocommit=True) as c:
         c.execute("DROP SCHEMA IF EXISTS pgq CASCADE")
     engine = pgq.connect(args.dsn, schema="pgq", pool_size=None)
-    pgq.migrate(engine)
+    pgq.migrate(engine, distributed=args.message == "init")
     engine.dispose()
     with psycopg.connect(args.dsn, autocommit=True) as c:
-        distribute(c, args.message)
+        if args.message != "init":
+            distribute(c, args.message)
         print(f"== placement: message {args.message}")
         for row in c.execute(
             "SELECT logicalrelid::text, partmethod,"
@@ -363,6 +369,30 @@ def main() -> None:
     r.run("breaker.reconcile_batch", breaker.reconcile_batch(), {**refund, "limit": 100})
     r.run("breaker.reconcile_done", breaker.reconcile_done(), refund)
     r.run("breaker.lock_held", breaker.lock_held(), {})
+
+    print("== admin (pgq check, requeue, purge, show, audit)")
+    r.run("admin.check_group", admin.check_group(), {"gid": 1})
+    pending = {"gid": 1, "pending_from": None, "pending_to": None, "max_refunds": 3}
+    r.run("admin.check_dead", admin.check_dead(), pending)
+    r.run(
+        "kill two rows by hand",
+        "UPDATE pgq.delivery SET state = 'dead', error_class = 'message', lease_owner = NULL"
+        " WHERE group_id = 1 AND message_id IN (SELECT message_id FROM pgq.delivery"
+        " WHERE group_id = 1 AND state = 'ready' ORDER BY message_id LIMIT 2)",
+        {},
+    )
+    dead = r.run(
+        "dead ids", "SELECT message_id FROM pgq.delivery WHERE group_id = 1 AND state = 'dead'", {}
+    )
+    audited = {"gid": 1, "reason": "test", "actor": "me", "max_listed": 100}
+    r.run(
+        "admin.requeue_ids",
+        admin.requeue_ids(),
+        {**audited, "ids": [row[0] for row in dead or []][:1]},
+    )
+    r.run("admin.purge_dead", admin.purge_dead(), {**audited, **pending})
+    r.run("admin.audit_trail", admin.audit_trail(), {"gid": 1, "limit": 10})
+    r.run("admin.message_in_group", admin.message_in_group(), {"gid": 1, "mid": 1})
     r.run("members.leave", members.leave(), {"gid": 1, "member": member, "started": started})
 
     print("== the replicas of the reference table consumer_group (must agree)")
