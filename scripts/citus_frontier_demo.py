@@ -332,6 +332,49 @@ def stress(dsn: str, proposal: bool, skew: int, seconds: float) -> tuple[int, in
     return advances[0], len(passed), stalled
 
 
+def shard_move(dsn: str, skew: int) -> int:
+    """The proposal across a shard move: the group whose shard is on the worker ahead
+    moves to the worker behind (`block_writes`: no logical replication needed); then
+    one publish. Returns the unresolved rows found behind the frontier."""
+    ports = setup(dsn, proposal=True)
+    make_skew(dsn, ports, skew)
+    advance = advance_statement(True)
+    gid = max(ports, key=lambda g: ports[g])
+    source, target = ports[gid], min(ports.values())
+    behind = (
+        "(xid, message_id) <= (SELECT committed_xid, coalesce(committed_id, 0)"
+        " FROM pgq.group_frontier WHERE id = %(g)s)"
+    )
+    with psycopg.connect(dsn, autocommit=True) as c:
+        for n in range(3):
+            with psycopg.connect(dsn) as p:
+                publish_one(p, n)
+        c.execute("UPDATE pgq.delivery SET state = 'done' WHERE group_id = %(g)s", {"g": gid})
+        c.execute(*compiled(advance, {"gid": gid}))
+        print(f"   group {gid} on node {source}: frontier {frontier_of(c, gid, True)}")
+        shard = c.execute(
+            "SELECT get_shard_id_for_distribution_column('pgq.delivery', %s)", [gid]
+        ).fetchone()
+        assert shard is not None
+        c.execute(
+            "SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s,"
+            " shard_transfer_mode => 'block_writes')",
+            [shard[0], source, target],
+        )
+        print(f"   moved the group's shards from node {source} to node {target}")
+        with psycopg.connect(dsn) as p:
+            publish_one(p, 99)
+        rows = c.execute(
+            "SELECT message_id, xid, state FROM pgq.delivery WHERE group_id = %(g)s"
+            f" AND state IN ('ready', 'leased') AND {behind}",
+            {"g": gid},
+        ).fetchall()
+        print(f"   after one publish on node {target}: unresolved rows behind the frontier {rows}")
+        c.execute(*compiled(advance, {"gid": gid}))
+        print(f"   frontier after the next advance {frontier_of(c, gid, True)}")
+    return len(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:9701/postgres")
@@ -339,12 +382,19 @@ def main() -> None:
     ap.add_argument(
         "--stress", type=float, default=0, help="also run concurrent publishers for S seconds"
     )
+    ap.add_argument(
+        "--move", action="store_true", help="also move a group's shard (the proposal's caveat)"
+    )
     args = ap.parse_args()
     print("== today: delivery.xid = the coordinator's xid, frontier in consumer_group (reference)")
     today = play(args.dsn, proposal=False, skew=args.skew)
     print("== proposal: delivery.xid = the shard node's xid (trigger), frontier co-located")
     proposed = play(args.dsn, proposal=True, skew=args.skew)
     print(f"== unresolved rows passed: today {today}, proposal {proposed}")
+    if args.move:
+        print("== proposal across a shard move (worker ahead -> worker behind)")
+        moved = shard_move(args.dsn, args.skew)
+        print(f"== after the move: {moved} unresolved row(s) behind the frontier")
     if args.stress:
         for proposal in (False, True):
             name = "proposal" if proposal else "today"
