@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import assert_usage_error, invoke
 from sqlalchemy import (
     CheckConstraint,
     Connection,
@@ -372,13 +373,15 @@ def test_concurrent_migrations_apply_each_version_once(pg_dsn: str, schema: str)
 # -- distributed ---------------------------------------------------------------------------------
 
 
-def test_distributed_needs_a_citus_coordinator(pg_dsn: str, schema: str):
+def test_distributed_needs_a_citus_coordinator(pg_dsn: str, schema: str, pgq_env: dict[str, str]):
     """On an ordinary server `--distributed` is refused before anything is written
     (the Citus placement itself is tested in tests/citus/)."""
     engine = pgq.connect(pg_dsn, schema=schema, pool_size=None)
     try:
         with pytest.raises(UsageError, match="needs a Citus coordinator"):
             pgq.migrate(engine, distributed=True)
+        result = invoke(pgq_env, "init", "--distributed")
+        assert_usage_error(result.exit_code, result.stderr, contains="citus extension")
         with engine.connect() as conn:
             assert conn.scalar(text("SELECT to_regnamespace(:s)"), {"s": schema}) is None
     finally:
