@@ -2,7 +2,7 @@
 statement, whether it runs and how Citus plans it (docs/decisions/0023-citus-placement.md).
 
     python scripts/citus_findings.py [--dsn postgresql://postgres@127.0.0.1:9701/postgres]
-        [--message reference|topic|local]
+        [--message reference|topic|local|init] [--plans]
 
 Drops and recreates the schema `pgq` on that database: point it at a throwaway
 cluster only (`../shared/citus/cluster.sh start`). Each statement runs in its own
