@@ -76,8 +76,12 @@ def advance_statement(proposal: bool) -> Any:
         frontier.g = saved
 
 
-def setup(dsn: str, proposal: bool) -> dict[int, int]:
-    """Fresh schema, one topic, groups until both workers hold one; returns gid -> port."""
+def setup(dsn: str, proposal: bool, topics: int = 1, per_topic: int = 0) -> dict[int, int]:
+    """Fresh schema; returns the groups to watch, gid -> port of their node.
+
+    By default one topic `t` and groups until both workers hold one (one watched
+    per worker); with `per_topic`, `topics` topics (`t`, `t1`, ...) with that many
+    groups each, all watched."""
     with psycopg.connect(dsn, autocommit=True) as c:
         c.execute("DROP SCHEMA IF EXISTS pgq CASCADE")
     engine = pgq.connect(dsn, schema="pgq", pool_size=None)
@@ -92,11 +96,13 @@ def setup(dsn: str, proposal: bool) -> dict[int, int]:
             )
             for command in LOCAL_XID:
                 c.execute(command)
-    pgq.create_topic(engine, "t")
+    names = topic_names(topics)
+    for name in names:
+        pgq.create_topic(engine, name)
     ports: dict[int, int] = {}
     with psycopg.connect(dsn, autocommit=True) as c:
-        for n in range(1, 20):
-            pgq.subscribe(engine, f"g{n}", "t")
+        for n in range(1, 20 if not per_topic else topics * per_topic + 1):
+            pgq.subscribe(engine, f"g{n}", names[(n - 1) % topics])
             gid = c.execute(
                 "SELECT id FROM pgq.consumer_group WHERE name = %s", [f"g{n}"]
             ).fetchone()
@@ -107,23 +113,27 @@ def setup(dsn: str, proposal: bool) -> dict[int, int]:
                 [gid[0]],
             ).fetchone()
             assert port is not None
-            if port[0] not in ports.values():
+            if per_topic or port[0] not in ports.values():
                 ports[gid[0]] = port[0]
             if proposal:
                 c.execute("INSERT INTO pgq.group_frontier (id) VALUES (%s)", [gid[0]])
-            if len(ports) == 2:
+            if not per_topic and len(ports) == 2:
                 break
     engine.dispose()
     return ports
+
+
+def topic_names(topics: int) -> list[str]:
+    return ["t", *(f"t{n}" for n in range(1, topics))]
 
 
 def psycopg_engine(dsn: str) -> Any:
     return pgq.connect(dsn, schema="pgq", pool_size=None)
 
 
-def publish_one(conn: psycopg.Connection[Any], n: int) -> None:
+def publish_one(conn: psycopg.Connection[Any], n: int, topic: str = "t") -> None:
     params = {
-        "topic": "t",
+        "topic": topic,
         "payloads": f"[{n}]",
         "key": None,
         "headers": None,
@@ -132,7 +142,9 @@ def publish_one(conn: psycopg.Connection[Any], n: int) -> None:
     }
     # not `lock_topic_for_publish`: on Citus a row lock on the reference table `topic`
     # locks the whole table (B would wait for A); the proposal's advisory lock instead
-    conn.execute("SELECT pg_advisory_xact_lock_shared(hashtextextended('pgq:topic:t', 0))")
+    conn.execute(
+        "SELECT pg_advisory_xact_lock_shared(hashtextextended('pgq:topic:' || %s, 0))", [topic]
+    )
     conn.execute(*compiled(publish.publish_batch(), params))
 
 
@@ -238,16 +250,19 @@ def compiled_explain(stmt: Any, params: dict[str, Any]) -> tuple[str, dict[str, 
     return "EXPLAIN (COSTS OFF) " + sql, params
 
 
-def stress(dsn: str, proposal: bool, skew: int, seconds: float) -> tuple[int, int, int]:
+def stress(
+    dsn: str, proposal: bool, skew: int, seconds: float, topics: int = 1, per_topic: int = 0
+) -> tuple[int, int, int]:
     """Concurrent publishers (random commit order), an acker and one advancer per
     group for `seconds`; returns (advances, distinct unresolved rows found behind a
     frontier, groups whose frontier did not reach their last row at the end).
 
     The acker only acks rows ahead of the frontier, so a row the frontier passed
     while it was still invisible stays ready behind it and is counted."""
-    ports = setup(dsn, proposal)
+    ports = setup(dsn, proposal, topics, per_topic)
     make_skew(dsn, ports, skew)
     advance = advance_statement(proposal)
+    names = topic_names(topics)
     table = "pgq.group_frontier" if proposal else "pgq.consumer_group"
     behind = (
         f"(xid, message_id) <= (SELECT committed_xid, coalesce(committed_id, 0) FROM {table}"
@@ -262,7 +277,7 @@ def stress(dsn: str, proposal: bool, skew: int, seconds: float) -> tuple[int, in
         rnd = random.Random(seed)
         with psycopg.connect(dsn) as conn:
             while not stop.is_set():
-                publish_one(conn, rnd.randrange(1000))
+                publish_one(conn, rnd.randrange(1000), rnd.choice(names))
                 time.sleep(rnd.random() * 0.05)  # commits land in random order
                 conn.commit()
                 published[0] += 1
@@ -382,6 +397,10 @@ def main() -> None:
     ap.add_argument(
         "--stress", type=float, default=0, help="also run concurrent publishers for S seconds"
     )
+    ap.add_argument("--topics", type=int, default=1, help="topics under --stress")
+    ap.add_argument(
+        "--groups", type=int, default=0, help="groups per topic under --stress (0: one per worker)"
+    )
     ap.add_argument(
         "--move", action="store_true", help="also move a group's shard (the proposal's caveat)"
     )
@@ -398,8 +417,13 @@ def main() -> None:
     if args.stress:
         for proposal in (False, True):
             name = "proposal" if proposal else "today"
-            print(f"== {name}, {args.stress:g} s of concurrent publishing (3 publishers)")
-            runs, passed, stalled = stress(args.dsn, proposal, args.skew, args.stress)
+            print(
+                f"== {name}, {args.stress:g} s of concurrent publishing (3 publishers,"
+                f" {args.topics} topic(s), {args.groups or 'one per worker'} group(s) per topic)"
+            )
+            runs, passed, stalled = stress(
+                args.dsn, proposal, args.skew, args.stress, args.topics, args.groups
+            )
             print(
                 f"== {name}: {runs} advances, {passed} unresolved rows passed,"
                 f" {stalled} group(s) whose frontier stalled"
