@@ -63,11 +63,17 @@ def parse_json_lines(lines: Iterable[bytes | str]) -> list[Any]:
 
 
 @click.command()
+@click.option(
+    "--distributed",
+    is_flag=True,
+    help="on a Citus coordinator: also distribute the tables by group (docs/scaling.md)",
+)
 @pass_state
-def init(state: State) -> None:
+def init(state: State, distributed: bool) -> None:
     """Create or upgrade the schema (safe to run concurrently)."""
-    version = migrate(state.engine)
-    click.echo(f"schema {schema_of(state.engine)} at version {version}")
+    version = migrate(state.engine, distributed=distributed)
+    where = ", distributed" if distributed else ""
+    click.echo(f"schema {schema_of(state.engine)} at version {version}{where}")
 
 
 @click.group(cls=PgqGroup)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
-from sqlalchemy import Connection, Engine, func, insert, select
+from sqlalchemy import Connection, Engine, Table, func, insert, select
 from sqlalchemy.schema import CreateSchema
 
 from pgq import schema as t
-from pgq.errors import PgqError
+from pgq.errors import PgqError, UsageError
+from pgq.sql import placement as place
 from pgq.sql.locks import lock_key, xact_lock
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
@@ -65,27 +67,96 @@ def current_version(conn: Connection) -> int:
     return int(conn.scalar(select(func.coalesce(func.max(t.schema_version.c.version), 0))) or 0)
 
 
-def migrate(engine: Engine) -> int:
+def migrate(engine: Engine, *, distributed: bool = False) -> int:
     """Create or upgrade pgq's schema; idempotent and concurrent-safe.
+
+    With `distributed`, on a Citus coordinator, the tables are then placed on the
+    cluster as `pgq.sql.placement` says (tables already placed are left alone); on
+    any other server that is an error and nothing is written. Without it the
+    schema is the same on every server.
 
     Returns the schema version now installed.
     """
     schema = schema_of(engine)
     with wrap_errors(), engine.begin() as conn:
         conn.execute(xact_lock(lock_key(schema, "migrate")))
+        if distributed:
+            _require_coordinator(conn)
         conn.execute(CreateSchema(schema, if_not_exists=True))
-        version = current_version(conn)
-        if version > LATEST:
-            raise PgqError(
-                f"schema {schema} is at version {version}, newer than this pgq knows ({LATEST})"
-            )
-        for number, description, apply in MIGRATIONS:
-            if number <= version:
-                continue
-            apply(conn)
-            conn.execute(insert(t.schema_version).values(version=number))
-            logger.info(
-                "migration applied schema=%s version=%d what=%s", schema, number, description
-            )
-            version = number
+        version = _upgrade(conn, schema)
+        if distributed:
+            _distribute(conn, schema)
     return version
+
+
+def _upgrade(conn: Connection, schema: str) -> int:
+    """Apply the migrations the schema lacks; returns the version now installed."""
+    version = current_version(conn)
+    if version > LATEST:
+        raise PgqError(
+            f"schema {schema} is at version {version}, newer than this pgq knows ({LATEST})"
+        )
+    for number, description, apply in MIGRATIONS:
+        if number <= version:
+            continue
+        apply(conn)
+        conn.execute(insert(t.schema_version).values(version=number))
+        logger.info("migration applied schema=%s version=%d what=%s", schema, number, description)
+        version = number
+    return version
+
+
+def _require_coordinator(conn: Connection) -> None:
+    """`UsageError` unless this database is a Citus coordinator."""
+    if conn.scalar(place.citus_version()) is None:
+        raise UsageError(
+            "--distributed needs a Citus coordinator: the citus extension is not"
+            " installed in this database"
+        )
+    if not conn.scalar(place.is_coordinator()):
+        raise UsageError("--distributed needs a Citus coordinator: this node is a worker")
+
+
+def _distribute(conn: Connection, schema: str) -> None:
+    """Place every table on the cluster (`pgq.sql.placement`); idempotent."""
+    prep = conn.dialect.identifier_preparer
+
+    def name(table: Table) -> str:
+        return f"{prep.quote_schema(schema)}.{prep.quote(table.name)}"
+
+    def placed(table: Table) -> Any:
+        return conn.execute(place.placement_of(), {"table": name(table)}).first()
+
+    for table in place.REFERENCE:
+        row = placed(table)
+        if row is None or row.model != "t":  # plain, or a Citus local table
+            conn.execute(place.create_reference_table(), {"table": name(table)})
+    # by group first: `delivery` starts the default co-location group, and `message`
+    # (colocate_with 'none') then gets one of its own
+    colocated = ((name(place.ANCHOR), place.BY_GROUP), ("none", place.BY_TOPIC))
+    for colocate_with, tables in colocated:
+        for table in tables:
+            row = placed(table)
+            if row is not None and row.method == "h":
+                continue
+            # a Citus local table (one that refers to a reference table, such as
+            # `breaker`, becomes one when its reference is placed) is distributed as is
+            key = place.PRIMARY_KEY_ON_CITUS.get(table.name)
+            if key is not None:
+                conn.execute(place.primary_key_with(name(table), table, key))
+            conn.execute(
+                place.create_distributed_table(),
+                {
+                    "table": name(table),
+                    "column": place.DISTRIBUTION_COLUMN[table.name],
+                    # the anchor itself starts the group's co-location group
+                    "colocate_with": "default" if table is place.ANCHOR else colocate_with,
+                },
+            )
+    logger.info("tables distributed schema=%s", schema)
+    logger.warning(
+        "pgq does not run on Citus yet schema=%s: the tables are placed, but claims,"
+        " failure outcomes, joins, sweeps, pruning and retention fail there and liveness"
+        " and the frontier are wrong (docs/decisions/0023-citus-placement.md)",
+        schema,
+    )

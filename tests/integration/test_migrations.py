@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from fixtures.released import RELEASED, restore
+from helpers import assert_usage_error, invoke
 from sqlalchemy import (
     CheckConstraint,
     Connection,
@@ -37,6 +38,7 @@ from sqlalchemy.schema import CreateSchema, DropSchema
 
 import pgq
 from pgq import schema as t
+from pgq.errors import UsageError
 from pgq.store import LATEST
 
 Description = dict[str, Any]
@@ -384,3 +386,21 @@ def test_concurrent_migrations_apply_each_version_once(pg_dsn: str, schema: str)
     assert [v.version for v in versions] == list(range(1, LATEST + 1))
     for e in engines:
         e.dispose()
+
+
+# -- distributed ---------------------------------------------------------------------------------
+
+
+def test_distributed_needs_a_citus_coordinator(pg_dsn: str, schema: str, pgq_env: dict[str, str]):
+    """On an ordinary server `--distributed` is refused before anything is written
+    (the Citus placement itself is tested in tests/citus/)."""
+    engine = pgq.connect(pg_dsn, schema=schema, pool_size=None)
+    try:
+        with pytest.raises(UsageError, match="needs a Citus coordinator"):
+            pgq.migrate(engine, distributed=True)
+        result = invoke(pgq_env, "init", "--distributed")
+        assert_usage_error(result.exit_code, result.stderr, contains="citus extension")
+        with engine.connect() as conn:
+            assert conn.scalar(text("SELECT to_regnamespace(:s)"), {"s": schema}) is None
+    finally:
+        engine.dispose()

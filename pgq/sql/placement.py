@@ -1,0 +1,90 @@
+"""Where each table lives on a Citus cluster (`pgq init --distributed`), and the
+statements that place it there. Why this placement: `docs/decisions/0023-citus-placement.md`.
+
+- reference tables (a copy on every node): the small catalogues;
+- distributed by group, all co-located with `delivery` (a group's rows of every
+  table on one shard): what a member reads and writes per message and per second;
+- `message` distributed by topic, in a co-location group of its own.
+
+A distributed table's primary key must contain its distribution column, so on Citus
+`message` and `audit` get keys that lead with it; on one server nothing changes.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Table, text
+from sqlalchemy.sql import Executable, TextClause
+
+from pgq import schema as t
+
+REFERENCE: tuple[Table, ...] = (t.schema_version, t.topic, t.consumer_group)
+"""Copied to every node, in this order (`consumer_group` refers to `topic`)."""
+
+ANCHOR = t.delivery
+"""The first table distributed by group: the others are co-located with it."""
+
+BY_GROUP: tuple[Table, ...] = (
+    t.delivery,
+    t.member,
+    t.breaker,
+    t.breaker_history,
+    t.probe,
+    t.audit,
+)
+"""Distributed by `group_id`, co-located with `ANCHOR` (first)."""
+
+BY_TOPIC: tuple[Table, ...] = (t.message,)
+"""Distributed by `topic_id`, in their own co-location group."""
+
+DISTRIBUTION_COLUMN = {
+    **{table.name: "group_id" for table in BY_GROUP},
+    **{table.name: "topic_id" for table in BY_TOPIC},
+}
+
+PRIMARY_KEY_ON_CITUS = {"message": ("topic_id", "id"), "audit": ("group_id", "id")}
+"""The primary keys that change on Citus (the distribution column first)."""
+
+
+def citus_version() -> Executable:
+    """The version of the `citus` extension in this database (no row without it)."""
+    return text("SELECT extversion FROM pg_catalog.pg_extension WHERE extname = 'citus'")
+
+
+def is_coordinator() -> Executable:
+    """True when this node is the coordinator (group 0 in Citus's metadata)."""
+    return text("SELECT pg_catalog.citus_is_coordinator()")
+
+
+def placement_of() -> Executable:
+    """How table `:table` (a qualified name) is placed: Citus's partition method,
+    replication model and distribution column, or no row for a plain table."""
+    return text(
+        "SELECT partmethod::text AS method, repmodel::text AS model,"
+        " pg_catalog.column_to_column_name(logicalrelid, partkey) AS column"
+        " FROM pg_catalog.pg_dist_partition WHERE logicalrelid = CAST(:table AS regclass)"
+    )
+
+
+def create_reference_table() -> Executable:
+    """Make `:table` a reference table."""
+    return text("SELECT pg_catalog.create_reference_table(CAST(:table AS regclass))")
+
+
+def create_distributed_table() -> Executable:
+    """Distribute `:table` by `:column`, co-located with `:colocate_with` (a qualified
+    table name, or 'none' for a co-location group of its own)."""
+    return text(
+        "SELECT pg_catalog.create_distributed_table(CAST(:table AS regclass), :column,"
+        " colocate_with => :colocate_with)"
+    )
+
+
+def primary_key_with(qualified: str, table: Table, columns: tuple[str, ...]) -> TextClause:
+    """Replace `table`'s primary key by one on `columns` (`qualified` is its quoted,
+    schema-qualified name; the key keeps its name)."""
+    key = table.primary_key.name or f"{table.name}_pkey"
+    cols = ", ".join(f'"{c}"' for c in columns)
+    return text(
+        f'ALTER TABLE {qualified} DROP CONSTRAINT "{key}",'
+        f' ADD CONSTRAINT "{key}" PRIMARY KEY ({cols})'
+    )

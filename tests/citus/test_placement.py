@@ -1,0 +1,170 @@
+"""pgq on Citus: `pgq init --distributed` places the tables as
+docs/decisions/0023-citus-placement.md says.
+
+Runs against a real Citus coordinator named by `PGQ_CITUS_DSN`, e.g. the cluster
+`../shared/citus/cluster.sh start` runs (postgresql://postgres@127.0.0.1:9701/postgres);
+skipped without it. Each test works in a schema of its own, dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import invoke
+from psycopg import sql
+
+import pgq
+from pgq.errors import UsageError
+from pgq.store import LATEST
+
+CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")
+
+pytestmark = [
+    pytest.mark.citus,
+    pytest.mark.skipif(
+        not CITUS_DSN,
+        reason="PGQ_CITUS_DSN is not set: no Citus coordinator to test on"
+        " (../shared/citus/cluster.sh start, then PGQ_CITUS_DSN=postgresql://postgres@127.0.0.1:9701/postgres)",
+    ),
+]
+
+BY_GROUP = ("delivery", "member", "breaker", "breaker_history", "probe", "audit")
+REFERENCE = ("schema_version", "topic", "consumer_group")
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def citus_schema() -> Iterator[str]:
+    """A fresh schema name on the coordinator (dropped afterwards, on every node)."""
+    name = f"pgq_citus_{os.getpid()}_{next(_names)}"
+    yield name
+    with psycopg.connect(CITUS_DSN, autocommit=True) as conn:
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name)))
+
+
+def placement(schema: str) -> dict[str, dict[str, Any]]:
+    """Every table of `schema` with how Citus places it (`kind` None: not in Citus at all)."""
+    with psycopg.connect(CITUS_DSN) as conn:
+        rows = conn.execute(
+            """
+            SELECT c.relname,
+                   CASE WHEN p.partmethod = 'h' THEN 'distributed'
+                        WHEN p.partmethod = 'n' AND p.repmodel = 't' THEN 'reference'
+                        WHEN p.partmethod IS NOT NULL THEN 'citus local' END AS kind,
+                   column_to_column_name(p.logicalrelid, p.partkey) AS column,
+                   p.colocationid
+            FROM pg_class c
+            JOIN pg_namespace n ON n.oid = c.relnamespace
+            LEFT JOIN pg_dist_partition p ON p.logicalrelid = c.oid
+            WHERE n.nspname = %s AND c.relkind = 'r'
+            """,
+            [schema],
+        ).fetchall()
+    return {r[0]: {"kind": r[1], "column": r[2], "colocation": r[3]} for r in rows}
+
+
+def primary_key(schema: str, table: str) -> str:
+    with psycopg.connect(CITUS_DSN) as conn:
+        row = conn.execute(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint"
+            " WHERE conrelid = to_regclass(%s) AND contype = 'p'",
+            [f"{schema}.{table}"],
+        ).fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def assert_placed(schema: str) -> None:
+    placed = placement(schema)
+    assert set(placed) == {*BY_GROUP, *REFERENCE, "message"}, placed
+    for table in REFERENCE:
+        assert placed[table]["kind"] == "reference", (table, placed[table])
+    for table in BY_GROUP:
+        assert placed[table]["kind"] == "distributed", (table, placed[table])
+        assert placed[table]["column"] == "group_id", (table, placed[table])
+    assert placed["message"]["kind"] == "distributed"
+    assert placed["message"]["column"] == "topic_id"
+    # a group's rows of every per-group table on one shard; messages apart
+    assert len({placed[table]["colocation"] for table in BY_GROUP}) == 1, placed
+    assert placed["message"]["colocation"] != placed["delivery"]["colocation"]
+    assert primary_key(schema, "message") == "PRIMARY KEY (topic_id, id)"
+    assert primary_key(schema, "audit") == "PRIMARY KEY (group_id, id)"
+
+
+def test_init_distributed_places_every_table(citus_schema: str):
+    result = invoke({"PGQ_DSN": CITUS_DSN, "PGQ_SCHEMA": citus_schema}, "init", "--distributed")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == f"schema {citus_schema} at version {LATEST}, distributed"
+    assert_placed(citus_schema)
+
+
+def test_distributing_a_plain_install_keeps_its_rows_and_runs_again(citus_schema: str):
+    engine = pgq.connect(CITUS_DSN, schema=citus_schema, pool_size=None)
+    try:
+        assert pgq.migrate(engine) == LATEST  # a plain install on the coordinator
+        assert {p["kind"] for p in placement(citus_schema).values()} == {None}
+        pgq.create_topic(engine, "orders")
+        pgq.subscribe(engine, "billing", "orders")
+        pgq.publish_many(engine, "orders", [{"n": 1}, {"n": 2}])
+        assert pgq.migrate(engine, distributed=True) == LATEST
+        assert_placed(citus_schema)
+        assert pgq.migrate(engine, distributed=True) == LATEST  # nothing left to do
+        assert_placed(citus_schema)
+        with psycopg.connect(CITUS_DSN) as conn:
+            counts = conn.execute(
+                sql.SQL(
+                    "SELECT (SELECT count(*) FROM {}.message), (SELECT count(*) FROM {}.delivery)"
+                ).format(sql.Identifier(citus_schema), sql.Identifier(citus_schema))
+            ).fetchone()
+        assert counts == (2, 2)
+    finally:
+        engine.dispose()
+
+
+def test_concurrent_distributed_inits_agree(citus_schema: str):
+    engines = [pgq.connect(CITUS_DSN, schema=citus_schema, pool_size=None) for _ in range(2)]
+    results: list[int] = []
+    errors: list[BaseException] = []
+
+    def run(engine: Any) -> None:
+        try:
+            results.append(pgq.migrate(engine, distributed=True))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(e,)) for e in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for engine in engines:
+        engine.dispose()
+    assert not errors, errors
+    assert results == [LATEST, LATEST]
+    assert_placed(citus_schema)
+
+
+def test_distributed_on_a_worker_is_refused(citus_schema: str):
+    with psycopg.connect(CITUS_DSN) as conn:
+        worker = conn.execute(
+            "SELECT nodename, nodeport FROM pg_dist_node WHERE groupid <> 0 AND isactive"
+            " ORDER BY nodeport LIMIT 1"
+        ).fetchone()
+    assert worker is not None, "the cluster has no active worker"
+    params = psycopg.conninfo.conninfo_to_dict(CITUS_DSN)
+    params.update(host=worker[0], port=str(worker[1]))
+    engine = pgq.connect(
+        psycopg.conninfo.make_conninfo(**params), schema=citus_schema, pool_size=None
+    )
+    try:
+        with pytest.raises(UsageError, match="this node is a worker"):
+            pgq.migrate(engine, distributed=True)
+    finally:
+        engine.dispose()

@@ -1,0 +1,194 @@
+"""Which hot statements Citus runs as router plans (one task, one node) under the
+placement of `pgq init --distributed`, and what is still wrong there.
+
+The statements that docs/decisions/0023-citus-placement.md found failing or
+spread over several shards are strict xfails: each turns into a failure (XPASS)
+the day its rewrite lands, so the marker has to go with it. Needs `PGQ_CITUS_DSN`
+(see test_placement.py); skipped without it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from sqlalchemy import Engine, text
+from sqlalchemy.sql import Executable
+
+import pgq
+from pgq.schema import SCHEMA_PLACEHOLDER
+from pgq.sql import breaker, claim, frontier, members, outcomes
+
+CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")
+
+pytestmark = [
+    pytest.mark.citus,
+    pytest.mark.skipif(
+        not CITUS_DSN,
+        reason="PGQ_CITUS_DSN is not set: no Citus coordinator to test on"
+        " (../shared/citus/cluster.sh start, then"
+        " PGQ_CITUS_DSN=postgresql://postgres@127.0.0.1:9701/postgres)",
+    ),
+]
+
+SECOND = dt.timedelta(seconds=1)
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Engine, int]]:
+    """A distributed schema with one topic, one group and a few messages; the group id."""
+    schema = f"pgq_router_{os.getpid()}_{next(_names)}"
+    engine = pgq.connect(CITUS_DSN, schema=schema, pool_size=2)
+    try:
+        pgq.migrate(engine, distributed=True)
+        pgq.create_topic(engine, "orders")
+        pgq.subscribe(engine, "billing", "orders")
+        pgq.publish_many(engine, "orders", [{"n": i} for i in range(5)])
+        with engine.connect() as conn:
+            gid = conn.scalar(text(f'SELECT id FROM "{schema}".consumer_group'))
+        yield engine, int(gid)
+    finally:
+        engine.dispose()
+        with psycopg.connect(CITUS_DSN, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+def plan(engine: Engine, stmt: Executable, params: dict[str, Any]) -> list[str]:
+    """`EXPLAIN (COSTS OFF)` of `stmt` on `engine`'s schema with `params`."""
+    schema = engine.get_execution_options()["schema_translate_map"][SCHEMA_PLACEHOLDER]
+    with engine.connect() as conn:
+        compiled = stmt.compile(
+            dialect=conn.dialect,
+            schema_translate_map={SCHEMA_PLACEHOLDER: schema},
+            render_schema_translate=True,
+        )
+        result = conn.exec_driver_sql(
+            "EXPLAIN (COSTS OFF) " + str(compiled), compiled.construct_params(params)
+        )
+        lines = [row[0] for row in result]
+        conn.rollback()
+    return lines
+
+
+def is_router(lines: list[str]) -> bool:
+    """One Citus task and no distributed subplan: the statement runs on one node."""
+    counts = [int(m.group(1)) for line in lines if (m := re.search(r"Task Count: (\d+)", line))]
+    return counts == [1] and not any("Distributed Subplan" in line for line in lines)
+
+
+FENCE = {"member": "m1", "ids": [1, 2], "seqs": [7, 8]}
+
+
+def _xfail(reason: str) -> pytest.MarkDecorator:
+    return pytest.mark.xfail(strict=True, reason=f"0023: {reason}")
+
+
+STATEMENTS = [
+    pytest.param("ack_done", outcomes.ack_done, FENCE, id="ack"),
+    pytest.param("extend_leases", claim.extend_leases, {**FENCE, "lease": 30 * SECOND}, id="lease"),
+    pytest.param("release", claim.release, FENCE, id="release"),
+    pytest.param("settled", outcomes.settled, FENCE, id="settled"),
+    pytest.param("state", breaker.state, {}, id="breaker-state"),
+    pytest.param(
+        "reconcile_done",
+        breaker.reconcile_done,
+        {"from_epoch": 0, "close_epoch": 2, "max_refunds": 3},
+        id="reconcile-done",
+    ),
+    pytest.param(
+        "claim",
+        lambda: claim.claim(100),
+        {"member": "m1", "lease": 30 * SECOND},
+        id="claim",
+        marks=_xfail("nextval() in an UPDATE"),
+    ),
+    pytest.param(
+        "record_failures",
+        outcomes.record_failures,
+        {
+            **FENCE,
+            "states": ["ready", "dead"],
+            "charges": [1, 1],
+            "delays": [1.0, 0.0],
+            "classes": ["systemic", "message"],
+            "errors": ["x", "y"],
+            "epochs": [0, 0],
+        },
+        id="fail",
+        marks=_xfail("now() + a column in an UPDATE"),
+    ),
+    pytest.param(
+        "heartbeat",
+        members.heartbeat,
+        {
+            "member": "m1",
+            "started": dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+            "local": "closed",
+            "tripped_epoch": None,
+        },
+        id="heartbeat",
+        marks=_xfail("a correlated subquery: 32 tasks"),
+    ),
+    pytest.param(
+        "sweep_expired",
+        claim.sweep_expired,
+        {"limit": 100, "max_reclaims": 3},
+        id="sweep",
+        marks=_xfail("correlated subqueries: not co-located joins"),
+    ),
+    pytest.param(
+        "advance_frontier",
+        frontier.advance_frontier,
+        {},
+        id="frontier",
+        marks=_xfail("frontier in a reference table: six distributed subplans"),
+    ),
+    pytest.param(
+        "reconcile_batch",
+        breaker.reconcile_batch,
+        {"limit": 100, "from_epoch": 0, "close_epoch": 2, "max_refunds": 3},
+        # one task today, but a wrong one: see the replica test below
+        id="reconcile",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, statement, params", STATEMENTS)
+def test_hot_statement_is_a_router_plan(
+    cluster: tuple[Engine, int], name: str, statement: Any, params: dict[str, Any]
+):
+    engine, gid = cluster
+    lines = plan(engine, statement(), {"gid": gid, **params})
+    assert is_router(lines), "\n".join(lines)
+
+
+@pytest.mark.xfail(strict=True, reason="0023 3.3: a routed statement writes one replica only")
+def test_reconciliation_keeps_the_reference_replicas_equal(cluster: tuple[Engine, int]):
+    engine, gid = cluster
+    schema = engine.get_execution_options()["schema_translate_map"][SCHEMA_PLACEHOLDER]
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                f"UPDATE \"{schema}\".delivery SET state = 'dead', error_class = 'systemic',"
+                " error_epoch = 0, refundable_attempts = 1 WHERE group_id = :gid"
+            ),
+            {"gid": gid},
+        )
+    params = {"gid": gid, "limit": 100, "from_epoch": 0, "close_epoch": 2, "max_refunds": 3}
+    with engine.begin() as conn:
+        conn.execute(breaker.reconcile_batch(), params)
+    with psycopg.connect(CITUS_DSN) as conn:
+        totals = conn.execute(
+            "SELECT nodeport, result FROM run_command_on_placements(%s,"
+            " 'SELECT sum(refunded_total) FROM %%s')",
+            [f'"{schema}".consumer_group'],
+        ).fetchall()
+    assert len({result for _, result in totals}) == 1, totals
