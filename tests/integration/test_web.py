@@ -391,6 +391,57 @@ def test_a_bearer_token_changes_without_a_session_or_csrf(engine, dead, serve):
     assert len(audit_rows(engine)) == 2
 
 
+# -- bad input and foreign hosts -------------------------------------------------------
+
+
+def test_bad_message_ids_and_classes_are_client_errors(engine, dead, serve):
+    server = serve()
+    for raw in (
+        "99999999999999999999",
+        "9223372036854775808",
+        "-1",
+        "0",
+        "0x10",
+        "1e3",
+        "%00",
+        "%EF%BC%91",  # a full-width digit one
+        "%20",
+    ):
+        answer = get(server, f"/groups/g/messages/{raw}")
+        assert answer.status == 404, (raw, answer.body)
+        assert "invalid message id" in answer.body, raw
+    missing = get(server, "/groups/g/messages/9223372036854775807")
+    assert missing.status == 404 and "has no message" in missing.body
+    assert get(server, f"/groups/g/messages/{dead[0]}").status == 200
+    assert get(server, "/groups/nope/messages/1").status == 404
+    for cls in ("bogus", "SYSTEMIC", "%00"):
+        assert get(server, f"/groups/g?class={cls}").status == 400, cls
+    assert get(server, "/groups/g?class=systemic").status == 200
+
+
+def test_requests_for_another_host_name_get_400(engine, dead, serve):
+    """DNS rebinding: a page on the attacker's name that resolves to 127.0.0.1."""
+    server = serve(token=TOKEN)
+    port = server.port
+    for host in (
+        "evil.example",
+        f"evil.example:{port}",
+        "127.0.0.1:1",
+        f"127.1:{port}",
+        f"2130706433:{port}",
+        f"localhost.:{port}",
+        f"127.0.0.1:{port}@evil.example",
+        f"127.0.0.1.evil.example:{port}",
+    ):
+        for method, path in (("GET", "/"), ("GET", "/api/groups"), ("POST", "/login")):
+            form = {"token": TOKEN} if method == "POST" else None
+            answer = request(server.url, method, path, form=form, headers={"Host": host})
+            assert answer.status == 400, (host, path, answer.status)
+            assert answer.header("Set-Cookie") == ""
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"LOCALHOST:{port}"):
+        assert request(server.url, "GET", "/", headers={"Host": host}).status == 200, host
+
+
 # -- the token stays secret -----------------------------------------------------------
 
 
