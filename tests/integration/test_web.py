@@ -746,14 +746,21 @@ def _reachable(host: str) -> bool:
 
 @contextlib.contextmanager
 def _web(pgq_env: dict[str, str], tmp_path: Path, *args: str, **env: str) -> Iterator[str]:
-    """`pgq web *args` as a real process; yields its URL; stopped (SIGINT) at the end."""
+    """`pgq web *args` as a real process; yields its URL; stopped with Ctrl-C (SIGINT)
+    at the end, which logs no traceback. (SIGTERM if SIGINT is ignored: a process
+    started in the background of a shell without job control inherits that.)"""
     log = tmp_path / f"web-{len(list(tmp_path.glob('web-*')))}.log"
     proc = spawn_pgq({**pgq_env, **env}, "web", *args, log=log)
     try:
         yield _url_from(log, proc)
     finally:
         proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
         finish(proc, 30)
+        assert "Traceback" not in log.read_text(), log.read_text()
 
 
 @pytest.mark.slow
