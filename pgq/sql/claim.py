@@ -172,7 +172,7 @@ def release() -> Executable:
 
 @cache
 def sweep_expired() -> Executable:
-    """Reclaim up to `:limit` rows of `:group_id` whose lease expired without an outcome.
+    """Reclaim up to `:limit` rows of `:gid` whose lease expired without an outcome.
 
     Each goes back to ready (`reclaims` + 1), or dead with class `lease` past
     `:max_reclaims`. The reclaim is refundable when the group's breaker was
@@ -181,6 +181,10 @@ def sweep_expired() -> Executable:
     the close of that outage refunds it, dead or not. A row that dies of a
     reclaim that was not refundable died for itself: its charges are dropped,
     so no close brings it back. Returns the reclaimed rows' ids and new state.
+
+    Every subquery filters its table by `:gid`, never by a correlation on the
+    row's group: Citus routes a statement to one shard only when each
+    distributed table in it is filtered by the same value (0023, 3.2).
     """
     br, mb = t.breaker, t.member
     expired = (
@@ -203,7 +207,7 @@ def sweep_expired() -> Executable:
     holder_open = (
         select(literal(True))
         .where(
-            mb.c.group_id == d.c.group_id,
+            mb.c.group_id == bindparam("gid"),
             mb.c.name == d.c.lease_owner,
             mb.c.local_breaker == t.LOCAL_OPEN,
         )
@@ -213,7 +217,7 @@ def sweep_expired() -> Executable:
     refundable = or_(group_open, holder_open, last_systemic)
     dies = d.c.reclaims + 1 > bindparam("max_reclaims", type_=Integer)
     forfeits = and_(dies, ~refundable)
-    epoch = select(br.c.epoch).where(br.c.group_id == d.c.group_id).scalar_subquery()
+    epoch = select(br.c.epoch).where(br.c.group_id == bindparam("gid")).scalar_subquery()
     return (
         update(d)
         .where(d.c.group_id == bindparam("gid"), d.c.message_id == expired.c.message_id)

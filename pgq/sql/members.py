@@ -145,7 +145,10 @@ def join() -> Executable:
 def heartbeat() -> Executable:
     """Record that `:member` is alive, with its local breaker `:local` (tripped under
     `:tripped_epoch`); returns the group breaker's state and epoch, nothing when
-    another process has taken the name over."""
+    another process has taken the name over.
+
+    The breaker is read by `:gid`, not correlated on the member row's group: on
+    Citus the correlation makes this a statement over every shard (0023, 3.2)."""
     return (
         update(mb)
         .where(_this_process())
@@ -157,11 +160,11 @@ def heartbeat() -> Executable:
         )
         .returning(
             select(br.c.state)
-            .where(br.c.group_id == mb.c.group_id)
+            .where(br.c.group_id == bindparam("gid"))
             .scalar_subquery()
             .label("state"),
             select(br.c.epoch)
-            .where(br.c.group_id == mb.c.group_id)
+            .where(br.c.group_id == bindparam("gid"))
             .scalar_subquery()
             .label("epoch"),
         )
@@ -198,7 +201,9 @@ def forget_departed() -> Executable:
     """
     holds_lease = (
         select(literal(1))
-        .where(d.c.group_id == mb.c.group_id, d.c.state == t.LEASED, d.c.lease_owner == mb.c.name)
+        .where(
+            d.c.group_id == bindparam("gid"), d.c.state == t.LEASED, d.c.lease_owner == mb.c.name
+        )
         .exists()
     )
     return (
@@ -224,7 +229,7 @@ def drain_state() -> Executable:
     """
     holder_live = (
         select(mb.c.name)
-        .where(mb.c.group_id == d.c.group_id, mb.c.name == d.c.lease_owner, _live())
+        .where(mb.c.group_id == bindparam("gid"), mb.c.name == d.c.lease_owner, _live())
         .exists()
     )
     ready = d.c.state == t.READY

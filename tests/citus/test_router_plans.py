@@ -78,13 +78,24 @@ def plan(engine: Engine, stmt: Executable, params: dict[str, Any]) -> list[str]:
     return lines
 
 
+def tasks(lines: list[str]) -> list[int]:
+    """The `Task Count` of each Citus scan in a plan."""
+    return [int(m.group(1)) for line in lines if (m := re.search(r"Task Count: (\d+)", line))]
+
+
+def subplan_scans(lines: list[str]) -> list[str]:
+    """What each distributed subplan of a plan scans (the line after its header)."""
+    pairs = itertools.pairwise(lines)
+    return [after.strip() for line, after in pairs if "Distributed Subplan" in line]
+
+
 def is_router(lines: list[str]) -> bool:
     """One Citus task and no distributed subplan: the statement runs on one node."""
-    counts = [int(m.group(1)) for line in lines if (m := re.search(r"Task Count: (\d+)", line))]
-    return counts == [1] and not any("Distributed Subplan" in line for line in lines)
+    return tasks(lines) == [1] and not subplan_scans(lines)
 
 
 FENCE = {"member": "m1", "ids": [1, 2], "seqs": [7, 8]}
+DRAIN = {"member": "m1", "ttl": 30 * SECOND, "wait": SECOND}
 
 
 def _xfail(reason: str) -> pytest.MarkDecorator:
@@ -135,14 +146,16 @@ STATEMENTS = [
             "tripped_epoch": None,
         },
         id="heartbeat",
-        marks=_xfail("a correlated subquery: 32 tasks"),
     ),
     pytest.param(
-        "sweep_expired",
-        claim.sweep_expired,
-        {"limit": 100, "max_reclaims": 3},
-        id="sweep",
-        marks=_xfail("correlated subqueries: not co-located joins"),
+        "sweep_expired", claim.sweep_expired, {"limit": 100, "max_reclaims": 3}, id="sweep"
+    ),
+    pytest.param(
+        "drain_state",
+        members.drain_state,
+        DRAIN,
+        id="drain",
+        marks=_xfail("liveness reads pg_locks in distributed subplans (3.1)"),
     ),
     pytest.param(
         "advance_frontier",
@@ -168,6 +181,26 @@ def test_hot_statement_is_a_router_plan(
     engine, gid = cluster
     lines = plan(engine, statement(), {"gid": gid, **params})
     assert is_router(lines), "\n".join(lines)
+
+
+@pytest.mark.parametrize(
+    "statement, params",
+    [
+        pytest.param(members.drain_state, DRAIN, id="drain"),
+        pytest.param(members.forget_departed, {"after": 30 * SECOND}, id="forget"),
+    ],
+)
+def test_member_statements_read_one_shard(
+    cluster: tuple[Engine, int], statement: Any, params: dict[str, Any]
+):
+    """Their tables are read on the group's shard alone (one task), every subquery
+    filtered by the group's id; all that runs outside that task is the catalogue
+    read of the `pg_locks` liveness test, which 0023 3.1 turns into a parameter."""
+    engine, gid = cluster
+    lines = plan(engine, statement(), {"gid": gid, **params})
+    assert tasks(lines) == [1], "\n".join(lines)
+    scans = subplan_scans(lines)
+    assert all(re.search(r"on (pg_database|pg_lock_status)\b", scan) for scan in scans), scans
 
 
 @pytest.mark.xfail(strict=True, reason="0023 3.3: a routed statement writes one replica only")
