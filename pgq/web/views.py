@@ -6,11 +6,13 @@ split of `check` for groups with dead rows), the group page `status`,
 `Dashboard` also keeps the charts' `History`, fed by the sampler thread and
 by every overview it reads.
 
-Every read has a deadline (`read_timeout`): it runs on a `pgq-web-read`
-thread and the request waits at most that long, then answers "database
+Every read has a deadline (`read_timeout`, `pgq.store.deadline`): it runs on
+a `pgq-web-read` thread over an engine of the dashboard's own, and a read still
+running at the deadline is ended (its socket shut down) and answered "database
 unavailable" (503). A database that stops answering without closing the
-connection (a stalled network, a hung host) would otherwise hold every
-waitress thread forever, `/healthz` included (scripts/attacks/web_database_stalled.py).
+connection (a stalled network, a hung host) would otherwise hold every waitress
+thread, `/healthz` included (scripts/attacks/web_database_stalled.py), or every
+reader thread (scripts/attacks/web_stuck_readers.py), for good.
 """
 
 from __future__ import annotations
@@ -20,16 +22,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine
 
 from pgq import monitor
-from pgq.errors import DatabaseUnavailable, PgqError
+from pgq.errors import PgqError
 from pgq.store import database_now
+from pgq.store.deadline import ReadDeadline
 from pgq.web.history import History, lag, throughput
 from pgq.web.timeline import timeline
 
@@ -71,41 +72,38 @@ class Dashboard:
         self.history = History(self.options.chart_span, self.clock)
         self._sampled = float("-inf")
         self._lock = threading.Lock()
-        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="pgq-web-read")
+        self._reads = ReadDeadline(self.engine, READERS, "pgq-web-read")
 
     def _within(self, read: Callable[..., T], *args: Any) -> T:
-        """`read(*args)` on a reader thread; `DatabaseUnavailable` after `read_timeout`."""
-        future = self._readers.submit(read, *args)
-        try:
-            return future.result(timeout=self.options.read_timeout)
-        except FutureTimeout:
-            future.cancel()  # not started yet: never runs
-            raise DatabaseUnavailable(
-                f"the database did not answer within {self.options.read_timeout:g} s"
-            ) from None
+        """`read(engine, *args)` on a reader thread, ended after `read_timeout`
+        (`DatabaseUnavailable`)."""
+        return self._reads.run(self.options.read_timeout, read, *args)
 
     def close(self) -> None:
-        """Stop the reader threads (a read stuck on a stalled database is left behind)."""
-        self._readers.shutdown(wait=False, cancel_futures=True)
+        """Stop the reader threads and close the dashboard's connections."""
+        self._reads.close()
 
     def health(self) -> dt.datetime:
         """The database clock, within the deadline."""
-        return self._within(self.now)
+        return self._within(self._now)
 
     def status(self, group: str | None) -> dict[str, Any]:
         """`pgq status [GROUP] --json`, within the deadline."""
+        return self._within(self._status, group)
+
+    def _status(self, engine: Engine, group: str | None) -> dict[str, Any]:
         ttl = self.options.member_ttl
         if group is None:
-            return self._within(lambda: monitor.status_all(self.engine, member_ttl=ttl))
-        return self._within(lambda: monitor.status(self.engine, group, member_ttl=ttl))
+            return monitor.status_all(engine, member_ttl=ttl)
+        return monitor.status(engine, group, member_ttl=ttl)
 
     # --- overview ---------------------------------------------------------------
 
     def overview(self) -> dict[str, Any]:
         return self._within(self._overview)
 
-    def _overview(self) -> dict[str, Any]:
-        groups = monitor.status_all(self.engine, member_ttl=self.options.member_ttl)["groups"]
+    def _overview(self, engine: Engine) -> dict[str, Any]:
+        groups = monitor.status_all(engine, member_ttl=self.options.member_ttl)["groups"]
         self._maybe_sample(groups)
         # the charts cover what has been watched (at least a minute), all groups alike
         start = self.clock() - max(self.history.watched(), 60.0)
@@ -116,20 +114,20 @@ class Dashboard:
                 {
                     "status": g,
                     "live": sum(1 for m in g["members"] if m["live"]),
-                    "dead": self._dead_split(g),
+                    "dead": self._dead_split(engine, g),
                     "throughput": throughput(samples),
                     "lag_points": lag(samples),
                     "chart_start": start,
                     "chart_end": self.clock(),
                 }
             )
-        return {"groups": rows, "watched": self.history.watched(), "now": self.now()}
+        return {"groups": rows, "watched": self.history.watched(), "now": self._now(engine)}
 
-    def _dead_split(self, g: dict[str, Any]) -> dict[str, int]:
+    def _dead_split(self, engine: Engine, g: dict[str, Any]) -> dict[str, int]:
         dead = g["counts"]["dead"]
         if dead == 0:  # nothing can be pending: save the group a read
             return {"dead": 0, "pending": 0, "real": 0}
-        return monitor.dead_split(self.engine, g["group"], self.options.max_refunds)
+        return monitor.dead_split(engine, g["group"], self.options.max_refunds)
 
     def _maybe_sample(self, groups: list[dict[str, Any]]) -> None:
         with self._lock:
@@ -163,33 +161,36 @@ class Dashboard:
     ) -> dict[str, Any]:
         return self._within(self._group, name, error_class, window)
 
-    def _group(self, name: str, error_class: str | None, window: float | None) -> dict[str, Any]:
-        status = monitor.status(self.engine, name, member_ttl=self.options.member_ttl)
+    def _group(
+        self, engine: Engine, name: str, error_class: str | None, window: float | None
+    ) -> dict[str, Any]:
+        status = monitor.status(engine, name, member_ttl=self.options.member_ttl)
         info = monitor.breaker_info(
-            self.engine, name, history_limit=HISTORY_LIMIT, probe_limit=PROBE_LIMIT
+            engine, name, history_limit=HISTORY_LIMIT, probe_limit=PROBE_LIMIT
         )
-        dead = monitor.dead(self.engine, name, limit=DEAD_LIMIT, error_class=error_class)
-        word, line = monitor.check(self.engine, name, self.options.max_refunds)
-        now = self.now()
+        dead = monitor.dead(engine, name, limit=DEAD_LIMIT, error_class=error_class)
+        word, line = monitor.check(engine, name, self.options.max_refunds)
+        now = self._now(engine)
         return {
             "status": status,
             "breaker": info,
             "timeline": timeline(info, now=now, window=window),
             "dead": dead,
             "dead_limit": DEAD_LIMIT,
-            "dead_split": monitor.dead_split(self.engine, name, self.options.max_refunds),
+            "dead_split": monitor.dead_split(engine, name, self.options.max_refunds),
             "error_class": error_class,
             "check": {"state": word, "line": line},
-            "audit": monitor.audit(self.engine, name, limit=AUDIT_LIMIT),
+            "audit": monitor.audit(engine, name, limit=AUDIT_LIMIT),
             "now": now,
         }
 
     def message(self, group: str, message_id: int) -> dict[str, Any]:
         return self._within(self._message, group, message_id)
 
-    def _message(self, group: str, message_id: int) -> dict[str, Any]:
-        return {"message": monitor.message(self.engine, group, message_id), "now": self.now()}
+    def _message(self, engine: Engine, group: str, message_id: int) -> dict[str, Any]:
+        return {"message": monitor.message(engine, group, message_id), "now": self._now(engine)}
 
-    def now(self) -> dt.datetime:
-        value: dt.datetime = database_now(self.engine)
+    @staticmethod
+    def _now(engine: Engine) -> dt.datetime:
+        value: dt.datetime = database_now(engine)
         return value

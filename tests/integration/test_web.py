@@ -1027,12 +1027,6 @@ def test_under_load_every_log_line_is_a_json_log_line(engine, dead, pgq_env, tmp
     assert foreign == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="no bound on request bodies (Flask MAX_CONTENT_LENGTH unset, waitress 1 GB):"
-    " a client without the token makes the admin server read and decode any body before"
-    " its 403, about twice the body in memory (scripts/attacks/web_huge_body.py)",
-)
 def test_a_huge_body_is_refused_before_it_is_read(engine, dead, serve):
     server = serve(token=TOKEN)
     huge = {"csrf": "a" * (20 * 1024 * 1024)}
@@ -1048,13 +1042,6 @@ def test_a_huge_body_is_refused_before_it_is_read(engine, dead, serve):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="a read that passes its deadline keeps its pgq-web-read thread blocked on its"
-    " connection: once the 4 readers sit on hung connections (a blackholed route, a moved"
-    " virtual IP, a hung backend), every request is a 503 although new connections answer"
-    " (scripts/attacks/web_stuck_readers.py)",
-)
 def test_hung_pool_connections_do_not_keep_the_dashboard_at_503():
     """The pool's connections hang (their backends SIGSTOPped, on an embedded server
     of this test's own: never the shared one); the database still takes new
