@@ -46,6 +46,8 @@ CSP = (
     "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
 ERROR_CLASSES = ("systemic", "message", "permanent", "lease")
+MAX_BODY = 64 * 1024
+"""Bytes a request body may have (a requeue form with 10,000 ids fits)."""
 WINDOWS = {"auto": None, "1m": 60.0, "5m": 300.0, "1h": 3600.0, "24h": 86400.0}
 """The breaker timeline's spans a group page offers (`?window=`)."""
 
@@ -74,6 +76,9 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
     """The dashboard app for `dashboard`'s database; `guard` says who may change things,
     `host`/`port` what it listens on (for the Host check)."""
     app = Flask(__name__)
+    # forms are a few fields: a bigger body is refused (413) before it is read
+    app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
+    app.config["MAX_FORM_MEMORY_SIZE"] = MAX_BODY
     app.jinja_env.finalize = _finalize
     app.jinja_env.globals.update(
         ago=ago,
@@ -214,6 +219,8 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             )
         else:
             ids = parse_ids(request.form.get("ids", "").split())
+            if not ids:
+                abort(400, "give the message ids to requeue, or tick 'every dead row'")
             result = store_admin.requeue(dashboard.engine, name, ids, reason=reason, actor=actor)
         text = f"requeued {result.count} (audit {result.audit_id})"
         return _page("done.html", name=name, text=text)

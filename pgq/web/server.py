@@ -19,7 +19,7 @@ from typing import Any
 from waitress import wasyncore
 from waitress.server import create_server
 
-from pgq.web.app import create_app
+from pgq.web.app import MAX_BODY, create_app
 from pgq.web.guard import Guard
 from pgq.web.views import Dashboard
 
@@ -44,6 +44,7 @@ class WebServer:
             port=port,
             threads=THREADS,
             ident="pgq",
+            max_request_body_size=MAX_BODY,
             clear_untrusted_proxy_headers=True,
         )
         self.host = host
