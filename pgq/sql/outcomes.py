@@ -12,6 +12,7 @@ they applied to, so the caller knows which outcomes were refused.
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 from sqlalchemy import (
     BigInteger,
@@ -28,7 +29,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.sql import Executable
+from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
 from pgq.sql.claim import fenced
@@ -65,6 +66,10 @@ def record_failures() -> Executable:
     the charges but clears the error class: the row now waits for the time the
     user asked for, not for a systemic retry, so no probe or refund runs it
     before then.
+
+    The times (`now()` + delay) are computed in the input, from `:delays` alone,
+    and the `SET` only copies them: Citus refuses a STABLE function called with
+    a column reference in an `UPDATE` (0023, section 6).
     """
     o = (
         func.unnest(
@@ -72,12 +77,12 @@ def record_failures() -> Executable:
             bindparam("seqs", type_=ARRAY(BigInteger)),
             bindparam("states", type_=ARRAY(Text)),
             bindparam("charges", type_=ARRAY(Integer)),
-            bindparam("delays", type_=ARRAY(Float)),
+            _available_at(),
             bindparam("classes", type_=ARRAY(Text)),
             bindparam("errors", type_=ARRAY(Text)),
             bindparam("epochs", type_=ARRAY(Integer)),
         )
-        .table_valued("message_id", "seq", "state", "charge", "delay", "class", "error", "epoch")
+        .table_valued("message_id", "seq", "state", "charge", "due", "class", "error", "epoch")
         .render_derived()
     )
     snooze = o.c["class"].is_(None)
@@ -88,7 +93,7 @@ def record_failures() -> Executable:
         .values(
             state=o.c.state,
             attempts=d.c.attempts + o.c.charge,
-            available_at=func.now() + o.c.delay * text("interval '1 second'"),
+            available_at=o.c.due,
             error_class=o.c["class"],
             last_error=case((snooze, d.c.last_error), else_=o.c.error),
             error_epoch=case((snooze, d.c.error_epoch), else_=o.c.epoch),
@@ -108,6 +113,17 @@ def record_failures() -> Executable:
         )
         .returning(d.c.message_id, d.c.lease_seq)
     )
+
+
+def _available_at() -> ColumnElement[Any]:
+    """`now()` + each of `:delays` (seconds), as an array in the same order."""
+    delays = (
+        func.unnest(bindparam("delays", type_=ARRAY(Float)))
+        .table_valued("delay", with_ordinality="n")
+        .render_derived()
+    )
+    due = select(func.now() + delays.c.delay * text("interval '1 second'")).order_by(delays.c.n)
+    return func.array(due.scalar_subquery())
 
 
 @cache

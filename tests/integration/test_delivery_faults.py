@@ -8,6 +8,7 @@ or a crash would do to a row is done with the statements such a member runs.
 from __future__ import annotations
 
 import ctypes
+import datetime as dt
 import threading
 import time
 
@@ -439,6 +440,36 @@ def test_a_stale_failure_in_the_same_batch_as_the_current_one_does_not_apply(ord
     assert run_once(engine, store.record, outcomes) == {current.lease}
     row = rows(engine, "billing")[mid]
     assert (row.state, row.attempts, row.last_error) == ("ready", 1, "current")
+
+
+def test_each_failure_of_a_batch_is_due_after_its_own_delay(orders):
+    """The failure statement computes the times from its delays apart from the rows
+    (decision 0023: Citus refuses `now()` with a column in the `SET`): each row
+    still gets `now()` plus the delay written in the same place as its id."""
+    from pgq.records import Outcome
+    from pgq.store import GroupStore, group_info, run_once
+
+    engine = orders
+    pin_frontier(engine, "orders")
+    pgq.publish_many(engine, "orders", [{"n": i} for i in range(4)])
+    info = group_info(engine, "billing")
+    store = GroupStore(info.id, "billing", "orders", "m", 30.0, 3)
+    claimed = run_once(engine, store.claim, 4, 0)
+    delays = dict(zip((c.id for c in claimed), (50.0, 0.0, 12.25, 3600.0), strict=True))
+    outcomes = [
+        Outcome(
+            c,
+            "snooze" if n % 2 else "retry",
+            delay=delays[c.id],
+            error_class=None if n % 2 else "message",
+            error="x",
+        )
+        for n, c in enumerate(reversed(claimed))
+    ]
+    assert len(run_once(engine, store.record, outcomes)) == 4
+    found = rows(engine, "billing")
+    for mid, delay in delays.items():
+        assert found[mid].available_at - found[mid].updated_at == dt.timedelta(seconds=delay)
 
 
 def test_outcomes_written_before_a_cut_are_not_counted_refused(orders, pg_dsn, schema):
