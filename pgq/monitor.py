@@ -102,6 +102,8 @@ def _breaker(row: Any) -> dict[str, Any]:
         "prober": row.breaker_prober if state == "OPEN" else None,
         "epoch": int(row.breaker_epoch),
         "next_probe_at": iso(row.breaker_next_probe_at) if state == "OPEN" else None,
+        # a close's refunds still owed: its dead rows are not all dead letters yet
+        "reconciling": row.breaker_reconcile_epoch is not None,
     }
 
 
@@ -165,8 +167,8 @@ def status(
 
     Keys: group, topic, committed, counts {ready, leased, done, dead,
     dead_systemic}, totals {reclaimed, released, refunded}, lag, breaker
-    {state, since, prober, epoch}, members (as `members` lists them), and
-    frontier_held_by (the backend with the oldest open transaction in the
+    {state, since, prober, epoch, next_probe_at, reconciling}, members (as
+    `members` lists them), and frontier_held_by (the backend with the oldest open transaction in the
     cluster, or None).
     """
     return _group(inspect.group_status(engine, group, member_ttl, departed_within))

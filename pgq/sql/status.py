@@ -77,6 +77,7 @@ def _groups() -> Select[Any]:
         # name: a prober whose lock session is gone is named no more
         prober_of(g.c.id).label("breaker_prober"),
         b.c.next_probe_at.label("breaker_next_probe_at"),
+        b.c.reconcile_epoch.label("breaker_reconcile_epoch"),
     ).select_from(g.join(tp, tp.c.id == g.c.topic_id).outerjoin(b, b.c.group_id == g.c.id))
 
 

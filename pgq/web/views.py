@@ -124,9 +124,10 @@ class Dashboard:
         return {"groups": rows, "watched": self.history.watched(), "now": self._now(engine)}
 
     def _dead_split(self, engine: Engine, g: dict[str, Any]) -> dict[str, int]:
-        dead = g["counts"]["dead"]
-        if dead == 0:  # nothing can be pending: save the group a read
-            return {"dead": 0, "pending": 0, "real": 0}
+        dead, b = g["counts"]["dead"], g["breaker"]
+        if dead == 0 or (b["state"] != "OPEN" and not b["reconciling"]):
+            # no reconciliation coming or owed: nothing is pending (`pending_scope`)
+            return {"dead": dead, "pending": 0, "real": dead}
         return monitor.dead_split(engine, g["group"], self.options.max_refunds)
 
     def _maybe_sample(self, groups: list[dict[str, Any]]) -> None:

@@ -42,6 +42,7 @@ from helpers import (
     assert_usage_error,
     finish,
     invoke,
+    kill,
     rows,
     spawn_pgq,
     states,
@@ -1091,3 +1092,42 @@ def test_hung_pool_connections_do_not_keep_the_dashboard_at_503():
             wait_until(lambda: pool.checkedout() == 0, 30, "the blocked reads to finish")
             server.close()
             victim.dispose()
+
+
+def test_the_overview_splits_dead_rows_as_check_does_in_every_breaker_state(engine):
+    """The overview reads the pending/real split only where a reconciliation is coming
+    or owed (`breaker.reconciling`); everywhere else every dead row is real. Both
+    ways must agree with `monitor.dead_split` (the full read) in each state."""
+    from pgq.web import Dashboard
+
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    ids = pgq.publish_many(engine, "t", [{"n": i} for i in range(4)])
+    kill(engine, ids[:2], "systemic", error_epoch=1, refundable_attempts=1)
+    kill(engine, ids[2:3], "message")
+    dashboard = Dashboard(engine, WebOptions())
+
+    def shown() -> dict[str, int]:
+        return dashboard.overview()["groups"][0]["dead"]
+
+    def breaker(**values: Any) -> None:
+        with engine.begin() as conn:
+            conn.execute(t.breaker.update().values(**values))
+
+    try:
+        states = [
+            dict(state="CLOSED", epoch=0, reconcile_epoch=None, reconcile_from_epoch=None),
+            dict(state="OPEN", epoch=1),
+            dict(state="CLOSED", epoch=2, reconcile_epoch=2, reconcile_from_epoch=0),
+            dict(state="CLOSED", epoch=2, reconcile_epoch=None, reconcile_from_epoch=None),
+        ]
+        seen = []
+        for values in states:
+            breaker(**values)
+            owed = values.get("reconcile_epoch") is not None
+            assert pgq.status(engine, "g")["breaker"]["reconciling"] is owed
+            assert shown() == monitor.dead_split(engine, "g"), values
+            seen.append(shown()["pending"])
+        assert seen == [0, 2, 2, 0]
+    finally:
+        dashboard.close()
