@@ -186,3 +186,45 @@ def test_an_operator_watches_an_outage_open_probe_close_and_refund(browser, memb
     assert driver.find_elements("css selector", 'tr[data-group="g"] svg.spark polyline')
     shoot(driver, tmp_path, "overview-after")
     members.stop_all()
+
+
+def test_an_admin_logs_in_and_requeues_a_dead_row_from_the_browser(browser, engine):
+    """The whole admin path in Chromium: the browser's own Origin and Sec-Fetch-Site
+    headers, the session cookie and the form's CSRF token must all pass."""
+    from helpers import kill
+
+    driver = browser
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    ids = pgq.publish_many(engine, "t", [{"n": 1}, {"n": 2}])
+    kill(engine, ids[:1], "message")
+    token = "browser-test-token-0123456789"
+    server = dashboard_server(engine, port=0, token=token, options=WebOptions(refresh=0.5))
+    server.start()
+    try:
+        driver.get(server.url + "groups/g")
+        assert not driver.find_elements("css selector", "#requeue-form")  # not logged in
+        driver.get(server.url + "login")
+        driver.find_element("css selector", 'input[name="token"]').send_keys(token)
+        driver.find_element("css selector", "form button").click()
+        wait_until(lambda: text_of(driver, "#mode") == "admin", 10, "the admin session")
+        assert token not in driver.current_url
+
+        driver.get(server.url + "groups/g")
+        form = driver.find_element("css selector", "#requeue-form")
+        form.find_element("css selector", 'input[name="ids"]').send_keys(str(ids[0]))
+        form.find_element("css selector", 'input[name="reason"]').send_keys("fixed upstream")
+        form.find_element("css selector", "button").click()
+        result = wait_until(lambda: text_of(driver, "#result"), 10, "the requeue's answer")
+        assert result.startswith("requeued 1 (audit ")
+
+        audit = monitor.audit(engine, "g")
+        assert [(a["action"], a["count"], a["message_ids"], a["reason"]) for a in audit] == [
+            ("requeue", 1, [ids[0]], "fixed upstream")
+        ]
+        assert audit[0]["actor"].endswith(" (pgq web)")
+        assert monitor.status(engine, "g")["counts"]["dead"] == 0
+        driver.get(server.url + "groups/g")
+        assert text_of(driver, f'#audit tr[data-audit="{audit[0]["id"]}"]') is not None
+    finally:
+        server.close()
