@@ -211,11 +211,9 @@ def main() -> None:
         )
 
     print("== members")
-    joined = r.run(
-        "members.join",
-        members.join(),
-        {"gid": 1, "member": member, "host": "h", "pid": 1, "takeover": True, "ttl": ttl},
-    )
+    joining = {"gid": 1, "member": member, "host": "h", "pid": 1, "takeover": True, "ttl": ttl}
+    r.run("members.join_new", members.join_new(), joining)
+    joined = r.run("members.join_existing", members.join_existing(), joining)  # the takeover
     started = joined[0][0] if joined else None
     if started is None:
         r.run(

@@ -110,35 +110,60 @@ def _this_process() -> ColumnElement[bool]:
 
 
 @cache
-def join() -> Executable:
-    """Register `:member` in `:gid`; returns its `started_at` when joined (the
-    process's token for its heartbeats), nothing when refused.
+def join_new() -> Executable:
+    """Register `:member` in `:gid` when the name has no row; returns its `started_at`
+    (the process's token for its heartbeats), nothing when the row exists.
+
+    The first of the two statements of a join (`join_existing` is the second): a
+    starter that finds the name taken neither waits for nor changes that row here.
+    Two starters inserting the same new name at once: the second waits for the
+    first's transaction and then finds the row. No `ON CONFLICT DO UPDATE`: Citus
+    refuses `now()` in its `SET` or `WHERE` (0023, section 6).
+    """
+    return (
+        pg_insert(mb)
+        .values(
+            group_id=bindparam("gid"),
+            name=bindparam("member"),
+            host=bindparam("host"),
+            pid=bindparam("pid"),
+        )
+        .on_conflict_do_nothing(index_elements=[mb.c.group_id, mb.c.name])
+        .returning(mb.c.started_at)
+    )
+
+
+@cache
+def join_existing() -> Executable:
+    """Take over the existing row of `:member` in `:gid` for this process (`:host`,
+    `:pid`); returns its new `started_at`, nothing when refused or when the row is
+    gone (then `join_new` again).
 
     With `:takeover` (the caller holds the member's session lock, so no other
-    process runs under this name) it always joins; without it (a stale session
+    process runs under this name) it always takes it; without it (a stale session
     still holds the lock: a paused process) only when the row has not been heard
-    from within `:ttl`. One statement: of two processes starting with the same
-    name, the row lock lets only one pass that test.
+    from within `:ttl`. Of two starters taking a silent row over at once, the row
+    lock lets one through; the other rechecks the row it then sees, now fresh, and
+    is refused.
     """
-    stmt = pg_insert(mb).values(
-        group_id=bindparam("gid"),
-        name=bindparam("member"),
-        host=bindparam("host"),
-        pid=bindparam("pid"),
+    return (
+        update(mb)
+        .where(
+            mb.c.group_id == bindparam("gid"),
+            mb.c.name == bindparam("member"),
+            or_(bindparam("takeover", type_=Boolean), ~_fresh()),
+        )
+        .values(
+            host=bindparam("host"),
+            pid=bindparam("pid"),
+            started_at=func.now(),
+            last_seen=func.now(),
+            left_at=None,
+            local_breaker=literal_column("'closed'"),
+            tripped_epoch=None,
+        )
+        .returning(mb.c.started_at)
     )
-    return stmt.on_conflict_do_update(
-        index_elements=[mb.c.group_id, mb.c.name],
-        set_={
-            "host": stmt.excluded.host,
-            "pid": stmt.excluded.pid,
-            "started_at": func.now(),
-            "last_seen": func.now(),
-            "left_at": None,
-            "local_breaker": literal_column("'closed'"),
-            "tripped_epoch": None,
-        },
-        where=or_(bindparam("takeover", type_=Boolean), ~_fresh()),
-    ).returning(mb.c.started_at)
 
 
 @cache

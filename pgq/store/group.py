@@ -517,22 +517,27 @@ class GroupStore:
 
         `takeover`: the caller holds the member's session lock (so whoever had the
         name before is gone); without it, only a row not heard from within `ttl`
-        is taken over."""
-        row = conn.execute(
-            member_sql.join(),
-            {
-                "gid": self.gid,
-                "member": self.member,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "ttl": dt.timedelta(seconds=ttl),
-                "takeover": takeover,
-            },
-        ).one_or_none()
-        if row is None:
-            return False
-        self.started = row.started_at
-        return True
+        is taken over.
+
+        Two statements (insert a new row, else take the existing one over); a row
+        deleted between them (`forget_departed`) makes the name free, so the insert
+        is tried once more. Of concurrent starters exactly one joins."""
+        params = {
+            "gid": self.gid,
+            "member": self.member,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "ttl": dt.timedelta(seconds=ttl),
+            "takeover": takeover,
+        }
+        for _ in range(2):
+            row = conn.execute(member_sql.join_new(), params).one_or_none()
+            if row is None:
+                row = conn.execute(member_sql.join_existing(), params).one_or_none()
+            if row is not None:
+                self.started = row.started_at
+                return True
+        return False
 
     def _me(self) -> dict[str, Any]:
         return {"gid": self.gid, "member": self.member, "started": self.started}

@@ -25,6 +25,7 @@ from sqlalchemy.sql import Executable
 import pgq
 from pgq.schema import SCHEMA_PLACEHOLDER
 from pgq.sql import breaker, claim, frontier, members, outcomes
+from pgq.store import GroupStore, run_once
 
 CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")
 
@@ -96,6 +97,7 @@ def is_router(lines: list[str]) -> bool:
 
 FENCE = {"member": "m1", "ids": [1, 2], "seqs": [7, 8]}
 DRAIN = {"member": "m1", "ttl": 30 * SECOND, "wait": SECOND}
+JOIN = {"member": "m1", "host": "h", "pid": 1, "ttl": 30 * SECOND, "takeover": False}
 
 
 def _xfail(reason: str) -> pytest.MarkDecorator:
@@ -146,6 +148,8 @@ STATEMENTS = [
         },
         id="heartbeat",
     ),
+    pytest.param("join_new", members.join_new, JOIN, id="join-new"),
+    pytest.param("join_existing", members.join_existing, JOIN, id="join-existing"),
     pytest.param(
         "sweep_expired", claim.sweep_expired, {"limit": 100, "max_reclaims": 3}, id="sweep"
     ),
@@ -251,6 +255,22 @@ def test_failures_run_each_due_after_its_own_delay(cluster: tuple[Engine, int]):
                 ),
                 {"gid": gid},
             )
+
+
+def test_joins_run_and_refuse_a_name_heard_from(cluster: tuple[Engine, int]):
+    """The two statements of a join run on the cluster: a new name joins, a second
+    process under it is refused, the holder of its session lock takes it over."""
+    engine, gid = cluster
+
+    def join(takeover: bool) -> Any:
+        store = GroupStore(gid, "billing", "orders", "join-test", 30.0, 3)
+        return store.started if run_once(engine, store.join, 30.0, takeover) else None
+
+    first = join(takeover=False)
+    assert first is not None
+    assert join(takeover=False) is None
+    again = join(takeover=True)
+    assert again is not None and again > first
 
 
 @pytest.mark.xfail(strict=True, reason="0023 3.3: a routed statement writes one replica only")
