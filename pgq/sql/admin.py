@@ -39,7 +39,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
 from sqlalchemy.schema import DropSchema
-from sqlalchemy.sql import ColumnElement, Executable, Select
+from sqlalchemy.sql import ColumnElement, Executable, Insert, Select
 
 from pgq import schema as t
 from pgq.sql.refunds import charged_within
@@ -157,10 +157,10 @@ def _dead_rows(only_ids: bool = False, of_class: bool = False) -> list[ColumnEle
     return where
 
 
-def _audited(action: str, changed: Any, *also: ColumnElement[Any]) -> Executable:
+def _audited(action: str, changed: Any) -> Insert:
     """Insert the audit row of `action` for the rows CTE `changed` returned (their
     message ids): the count and at most `:max_listed` ids, the smallest; returns the
-    audit row's id and count, then `also`."""
+    audit row's id and count."""
     listed = (
         select(changed.c.message_id)
         .order_by(changed.c.message_id)
@@ -187,7 +187,7 @@ def _audited(action: str, changed: Any, *also: ColumnElement[Any]) -> Executable
                 bindparam("actor", type_=Text),
             ),
         )
-        .returning(audit.c.id, audit.c.count, *also)
+        .returning(audit.c.id, audit.c.count)
     )
 
 
@@ -255,8 +255,11 @@ def _purge(older: bool) -> Executable:
     if older:
         dead.append(d.c.updated_at < func.now() - bindparam("older_than", type_=Interval))
     purged = d.delete().where(*dead, ~_pending()).returning(d.c.message_id).cte("purged")
-    kept = select(func.count()).where(*dead, _pending()).scalar_subquery()
-    return _audited(PURGE_ACTION, purged, kept.label("kept"))
+    kept = select(func.count().label("n")).where(*dead, _pending()).cte("kept")
+    audited = _audited(PURGE_ACTION, purged).cte("audited")
+    return select(audited.c.id, audited.c.count, kept.c.n.label("kept")).select_from(
+        audited.join(kept, true())
+    )
 
 
 @cache
@@ -268,6 +271,10 @@ def purge_dead() -> Executable:
     letters. The audit row gets `:reason`, `:actor`, the count and at most
     `:max_listed` ids (the smallest). Returns the audit row's id and count, and
     `kept`, the pending rows left.
+
+    `kept` is counted in a CTE of the statement, not in the audit insert's
+    `RETURNING`: Citus sends that subquery with the insert to the audit shard
+    without its parameters (0023, section 2).
     """
     return _purge(older=False)
 

@@ -9,6 +9,7 @@ the day its rewrite lands, so the marker has to go with it. Needs `PGQ_CITUS_DSN
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import itertools
 import os
@@ -26,6 +27,7 @@ import pgq
 from pgq.schema import SCHEMA_PLACEHOLDER
 from pgq.sql import breaker, claim, frontier, members, outcomes
 from pgq.store import GroupStore, run_once
+from pgq.store.admin import purge
 
 CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")
 
@@ -43,9 +45,10 @@ SECOND = dt.timedelta(seconds=1)
 _names = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[tuple[Engine, int]]:
-    """A distributed schema with one topic, one group and a few messages; the group id."""
+@contextlib.contextmanager
+def distributed_schema() -> Iterator[tuple[Engine, int]]:
+    """A distributed schema of its own with one topic, one group and five messages;
+    the group id. Dropped afterwards."""
     schema = f"pgq_router_{os.getpid()}_{next(_names)}"
     engine = pgq.connect(CITUS_DSN, schema=schema, pool_size=2)
     try:
@@ -60,6 +63,14 @@ def cluster() -> Iterator[tuple[Engine, int]]:
         engine.dispose()
         with psycopg.connect(CITUS_DSN, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[tuple[Engine, int]]:
+    """The distributed schema the plan tests share (they change no row, or put back
+    what they change)."""
+    with distributed_schema() as made:
+        yield made
 
 
 def plan(engine: Engine, stmt: Executable, params: dict[str, Any]) -> list[str]:
@@ -271,6 +282,42 @@ def test_joins_run_and_refuse_a_name_heard_from(cluster: tuple[Engine, int]):
     assert join(takeover=False) is None
     again = join(takeover=True)
     assert again is not None and again > first
+
+
+def test_a_purge_runs_audited_and_counts_the_rows_it_keeps():
+    """The purge, its audit row and the count of the dead rows a coming
+    reconciliation will bring back, in one statement on the cluster (the count
+    used to fail there: 0023, section 2)."""
+    with distributed_schema() as (engine, gid):
+        schema = engine.get_execution_options()["schema_translate_map"][SCHEMA_PLACEHOLDER]
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    f"UPDATE \"{schema}\".breaker SET state = 'OPEN', epoch = 1"
+                    " WHERE group_id = :gid"
+                ),
+                {"gid": gid},
+            )
+            conn.execute(
+                text(
+                    f"UPDATE \"{schema}\".delivery SET state = 'dead', error_class = CASE"
+                    " WHEN message_id <= 2 THEN 'systemic' ELSE 'message' END, error_epoch = 1,"
+                    " refundable_attempts = CASE WHEN message_id <= 2 THEN 1 ELSE 0 END"
+                    " WHERE group_id = :gid AND message_id <= 4"
+                ),
+                {"gid": gid},
+            )
+        result = purge(engine, "billing", reason="citus")
+        assert (result.count, result.kept) == (2, 2)
+        with engine.connect() as conn:
+            left = conn.execute(
+                text(f'SELECT message_id, state FROM "{schema}".delivery ORDER BY 1')
+            ).all()
+            audited = conn.execute(
+                text(f'SELECT action, message_ids, count, reason FROM "{schema}".audit')
+            ).all()
+        assert left == [(1, "dead"), (2, "dead"), (5, "ready")]
+        assert audited == [("purge", [3, 4], 2, "citus")]
 
 
 @pytest.mark.xfail(strict=True, reason="0023 3.3: a routed statement writes one replica only")
