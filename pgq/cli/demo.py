@@ -18,6 +18,7 @@ import click
 from sqlalchemy import Engine
 
 from pgq.cli.base import CliFailure, State, bind_dashboard, cli_dsn, pass_state, web_extra
+from pgq.cli.web import stopping_on_signals
 from pgq.demo import DEMO_SETTINGS, GROUP, RATE, WATCHED, run_demo
 from pgq.store import conninfo_of
 
@@ -103,7 +104,7 @@ def demo(state: State, dsn: str | None, web: bool, port: int) -> None:
         web_extra()  # before the story: a missing extra is exit 2 at once
     pace = WATCHED if web else None
     messages = int(RATE * (WATCHED.cut_after + WATCHED.outage + 8)) if web else 600
-    with _quiet_library():
+    with _quiet_library(), stopping_on_signals():
         result = run_demo(target, click.echo, messages=messages, pace=pace, watch=watch)
     if not result.ok:
         raise CliFailure(f"demo failed: {result.problem}")

@@ -4,12 +4,19 @@ Read-only unless `--admin`, which needs the token in `$PGQ_WEB_TOKEN` (never
 a flag: flags show in `ps` and shell history). Listens on 127.0.0.1 unless
 `--host` says otherwise. The database is read once before it listens, so a
 bad DSN or a missing schema is one line and exit 2, not an error page later.
+SIGTERM and SIGHUP stop it as Ctrl-C does: the requests in flight are answered,
+then it exits 0 (`stopping_on_signals`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
 
 import click
 
@@ -17,11 +24,37 @@ from pgq.cli.base import State, bind_dashboard, pass_state, web_extra
 from pgq.errors import UsageError
 from pgq.monitor import status_all
 
-__all__ = ["web"]
+__all__ = ["stopping_on_signals", "web"]
 
 logger = logging.getLogger("pgq.cli")
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+
+@contextlib.contextmanager
+def stopping_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread, as Ctrl-C does, so
+    that the same clean stop runs (a service manager stops with SIGTERM; its default
+    action killed `pgq web` mid-request and left `pgq demo --web`'s scratch schema
+    behind: scripts/attacks/web2_sigterm.py). A second one acts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, interrupt) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 @click.command()
@@ -65,8 +98,11 @@ def web(state: State, host: str, port: int, admin: bool) -> None:
             " (and the token travels unencrypted: put TLS in front)" if admin else "",
         )
     mode = "admin" if admin else "read-only"
-    click.echo(f"pgq web: {server.url} ({mode}); Ctrl-C stops it", err=True)
     try:
-        server.serve()
+        with stopping_on_signals():
+            click.echo(f"pgq web: {server.url} ({mode}); Ctrl-C stops it", err=True)
+            server.serve()
     except KeyboardInterrupt:
         pass
+    finally:
+        server.close()  # stopped before it served (serve() closes it otherwise)

@@ -1,0 +1,125 @@
+"""`pgq web` and `pgq demo --web` attacked a second time (scripts/attacks/web2_*.py).
+
+Each test failed before the fix its docstring names; real processes, real
+PostgreSQL, raw HTTP (`http.client`) so any method, header or body can be sent.
+"""
+
+from __future__ import annotations
+
+import http.client
+import re
+import signal
+import subprocess
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+import psycopg
+import pytest
+from helpers import PGQ, finish, spawn_pgq, wait_until
+
+import pgq
+
+pytest.importorskip("flask")
+
+
+def status_of(url: str, method: str = "GET", path: str = "/", timeout: float = 30) -> int:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request(method, path)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    finally:
+        conn.close()
+
+
+def url_of(log: Path, proc: subprocess.Popen[str]) -> str:
+    def printed() -> str:
+        assert proc.poll() is None, log.read_text()
+        found = re.search(r"^pgq web: (http://\S+/) ", log.read_text(), re.MULTILINE)
+        return found.group(1) if found else ""
+
+    return wait_until(printed, 60, "pgq web to print its URL", interval=0.1)
+
+
+def demo_schemas(dsn: str) -> set[str]:
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute(
+            "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'pgq\\_demo\\_%'"
+        ).fetchall()
+    return {r[0] for r in rows}
+
+
+# -- signals ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_pgq_web_stops_on_sigterm_and_sighup_as_on_ctrl_c(engine, pgq_env, tmp_path, sig):
+    """Failed before `stopping_on_signals` (pgq/cli/web.py): the default action killed
+    the process (exit -15, -1) and every request in flight was cut off
+    (scripts/attacks/web2_sigterm.py)."""
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    log = tmp_path / "web.log"
+    proc = spawn_pgq(pgq_env, "web", "--port", "0", log=log)
+    url = url_of(log, proc)
+    port = urllib.parse.urlsplit(url).port
+    answers: list[object] = []
+
+    def browse() -> None:
+        try:
+            answers.append(status_of(url, path="/groups/g"))
+        except OSError as exc:
+            answers.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=browse) for _ in range(8)]
+    for th in threads:
+        th.start()
+    time.sleep(0.05)  # let the requests get in flight (the answers say if they did not)
+    proc.send_signal(sig)
+    code, out, _ = finish(proc, 30)
+    for th in threads:
+        th.join(30)
+    assert code == 0, log.read_text()
+    assert out == ""
+    assert answers == [200] * 8
+    assert "Traceback" not in log.read_text()
+    with subprocess.Popen([*PGQ, "web", "--port", str(port)], env=pgq_env, stderr=subprocess.PIPE,
+                          text=True) as again:  # fmt: skip
+        assert again.stderr is not None
+        assert "pgq web: http://" in again.stderr.readline()  # the port is free again
+        again.send_signal(signal.SIGINT)
+        assert again.wait(30) == 0
+
+
+@pytest.mark.slow
+def test_pgq_demo_web_drops_its_schema_on_sigterm(pg_dsn):
+    """Failed before `stopping_on_signals`: SIGTERM during the story killed the demo
+    (exit -15) and its scratch schema `pgq_demo_*` stayed in the database
+    (scripts/attacks/web2_sigterm.py)."""
+    before = demo_schemas(pg_dsn)
+    proc = subprocess.Popen(
+        [*PGQ, "demo", "--web", "--port", "0", "--dsn", pg_dsn],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("dashboard:"):
+                break
+        wait_until(lambda: demo_schemas(pg_dsn) - before, 30, "the demo's schema")
+        proc.send_signal(signal.SIGTERM)
+        code, _, err = finish(proc, 60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert demo_schemas(pg_dsn) - before == set()
+    assert code == 1, err  # as Ctrl-C during the story: the story did not happen
+    assert "Traceback" not in err
