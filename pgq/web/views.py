@@ -143,14 +143,15 @@ class Dashboard:
 
     def run_sampler(self, stop: threading.Event) -> None:
         """Sample every `sample_every` seconds until `stop`; a failed read is logged
-        once per failure streak and retried at the next beat."""
+        once per failure streak and retried at the next beat. A read that fails
+        because `close()` ended it is no news (scripts/attacks/web2_close_sample_warning.py)."""
         failing = False
         while not stop.is_set():
             try:
                 self.sample()
                 failing = False
             except PgqError as exc:
-                if not failing:
+                if not failing and not stop.is_set():
                     logger.warning("web sample failed error=%r", str(exc))
                 failing = True
             stop.wait(self.options.sample_every)

@@ -7,6 +7,7 @@ PostgreSQL, raw HTTP (`http.client`) so any method, header or body can be sent.
 from __future__ import annotations
 
 import http.client
+import logging
 import re
 import signal
 import subprocess
@@ -123,3 +124,26 @@ def test_pgq_demo_web_drops_its_schema_on_sigterm(pg_dsn):
     assert demo_schemas(pg_dsn) - before == set()
     assert code == 1, err  # as Ctrl-C during the story: the story did not happen
     assert "Traceback" not in err
+
+
+# -- closing ---------------------------------------------------------------------------
+
+
+def test_closing_while_the_sampler_reads_logs_nothing(engine, caplog):
+    """Failed before `run_sampler` stopped logging reads that `close()` itself ended:
+    most closes logged `web sample failed error='cannot reach the database: ...
+    server closed the connection unexpectedly'` (scripts/attacks/web2_close_sample_warning.py)."""
+    from pgq.web import WebOptions, dashboard_server
+
+    pgq.create_topic(engine, "t")
+    for i in range(20):
+        pgq.subscribe(engine, f"g{i}", "t")
+    caplog.set_level(logging.WARNING, logger="pgq")
+    for _ in range(10):
+        server = dashboard_server(engine, port=0, options=WebOptions(sample_every=0.0))
+        server.start()
+        try:
+            wait_until(lambda s=server: s.dashboard.history.samples("g0"), 10, "a sample")
+        finally:
+            server.close()
+    assert [r.getMessage() for r in caplog.records] == []
