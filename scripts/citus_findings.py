@@ -348,13 +348,14 @@ def main() -> None:
             {**at, "member": member, "lease": 30 * SECOND, "max_refunds": 3},
         )
         probe = probe or (got[0] if got else None)
-    r.run("breaker.probe_failed", breaker.probe_failed(), {**at, "delay": 5 * SECOND})
+    logged = {"member": member, "probe_id": probe[0] if probe else 1}
+    r.run("breaker.probe_failed", breaker.probe_failed(), {**at, **logged, "delay": 5 * SECOND})
     r.run("breaker.probe_again", breaker.probe_again(), {**at, "delay": 0 * SECOND})
     if probe is not None:
         lease = {"gid": 1, "id": probe[0], "seq": probe[1], "member": member}
         r.run("breaker.probe_charges", breaker.probe_charges(), lease)
         r.run("breaker.probe_done", breaker.probe_done(), {**lease, "refunded": 1})
-    r.run("breaker.close", breaker.close(), {**at, "member": member, "refunded": 0})
+    r.run("breaker.close", breaker.close(), {**at, **logged, "refunded": 0})
     r.run(
         "charge two rows by hand (as record_failures would have)",
         "UPDATE pgq.delivery SET state = 'dead', error_class = 'systemic', error_epoch = 0,"

@@ -156,7 +156,7 @@ def _distribute(conn: Connection, schema: str) -> None:
     logger.info("tables distributed schema=%s", schema)
     logger.warning(
         "pgq does not run on Citus yet schema=%s: the tables are placed, but claims,"
-        " failure outcomes, joins, sweeps, pruning and retention fail there and liveness"
-        " and the frontier are wrong (docs/decisions/0023-citus-placement.md)",
+        " probes, pruning and retention fail there and liveness and the frontier are"
+        " wrong (docs/decisions/0023-citus-placement.md)",
         schema,
     )
