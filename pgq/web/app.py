@@ -157,7 +157,10 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             abort(400, f"unknown window (use one of {', '.join(WINDOWS)})")
         data = dashboard.group(name, cls, window)
         data["window"] = request.args.get("window", "auto")
-        return _page("group.html", name=name, data=data)
+        done = request.args.get("done", type=int)
+        result = next((a for a in data["audit"] if a["id"] == done), None)
+        kept = max(request.args.get("kept", 0, type=int) or 0, 0)
+        return _page("group.html", name=name, data=data, result=result, kept=kept)
 
     @app.get("/groups/<name>/messages/<message_id>")
     def message(name: str, message_id: str) -> Any:
@@ -222,8 +225,7 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             if not ids:
                 abort(400, "give the message ids to requeue, or tick 'every dead row'")
             result = store_admin.requeue(dashboard.engine, name, ids, reason=reason, actor=actor)
-        text = f"requeued {result.count} (audit {result.audit_id})"
-        return _page("done.html", name=name, text=text)
+        return _done(name, f"requeued {result.count} (audit {result.audit_id})", result.audit_id)
 
     @app.post("/groups/<name>/purge")
     def purge(name: str) -> Any:
@@ -239,9 +241,17 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             actor=f"{store_admin.default_actor()} (pgq web)",
         )
         kept = f", kept {result.kept} pending reconciliation" if result.kept else ""
-        return _page(
-            "done.html", name=name, text=f"purged {result.count}{kept} (audit {result.audit_id})"
-        )
+        text = f"purged {result.count}{kept} (audit {result.audit_id})"
+        return _done(name, text, result.audit_id, kept=result.kept)
+
+    def _done(name: str, text: str, audit_id: int, **shown: int) -> Any:
+        """A change's answer: for a browser a 303 to the group page, which says what was
+        done (a reload of a POST's answer would post it again: web2_reload_reposts.py);
+        for a script (`Authorization: Bearer`) the result page itself."""
+        if request.headers.get("Authorization", "").startswith("Bearer "):
+            return _page("done.html", name=name, text=text)
+        values: dict[str, Any] = {k: v for k, v in shown.items() if v}
+        return redirect(url_for("group", name=name, done=audit_id, **values), 303)
 
     @app.route("/login", methods=["GET", "POST"])
     def login() -> Any:

@@ -228,3 +228,42 @@ def test_an_admin_logs_in_and_requeues_a_dead_row_from_the_browser(browser, engi
         assert text_of(driver, f'#audit tr[data-audit="{audit[0]["id"]}"]') is not None
     finally:
         server.close()
+
+
+def test_reloading_the_answer_to_a_requeue_changes_nothing(browser, engine):
+    """Failed before the change routes answered a browser with 303 (Post/Redirect/Get):
+    the result page was the POST's own answer, so a reload posted the requeue again,
+    requeuing what had died since under the first reason
+    (scripts/attacks/web2_reload_reposts.py)."""
+    from helpers import kill
+
+    driver = browser
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    ids = pgq.publish_many(engine, "t", [{"n": i} for i in range(4)])
+    kill(engine, ids[:2], "message")
+    token = "browser-test-token-0123456789"
+    server = dashboard_server(engine, port=0, token=token, options=WebOptions(refresh=0.5))
+    server.start()
+    try:
+        driver.get(server.url + "login")
+        driver.find_element("css selector", 'input[name="token"]').send_keys(token)
+        driver.find_element("css selector", "form button").click()
+        wait_until(lambda: text_of(driver, "#mode") == "admin", 10, "the admin session")
+        driver.get(server.url + "groups/g")
+        form = driver.find_element("css selector", "#requeue-form")
+        form.find_element("css selector", 'input[name="all"]').click()
+        form.find_element("css selector", 'input[name="reason"]').send_keys("fixed")
+        form.find_element("css selector", "button").click()
+        result = wait_until(lambda: text_of(driver, "#result"), 10, "the requeue's answer")
+        assert result.startswith("requeued 2 (audit "), result
+        kill(engine, ids[2:], "message")  # later, other rows die
+        driver.refresh()
+        wait_until(lambda: text_of(driver, "#breaker-state"), 10, "the page again")
+        driver.back()
+        driver.forward()
+        wait_until(lambda: text_of(driver, "#breaker-state"), 10, "the page again")
+        assert [(a["action"], a["count"]) for a in monitor.audit(engine, "g")] == [("requeue", 2)]
+        assert monitor.status(engine, "g")["counts"]["dead"] == 2
+    finally:
+        server.close()

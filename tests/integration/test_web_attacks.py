@@ -147,3 +147,74 @@ def test_closing_while_the_sampler_reads_logs_nothing(engine, caplog):
         finally:
             server.close()
     assert [r.getMessage() for r in caplog.records] == []
+
+
+# -- changes from the dashboard ------------------------------------------------------
+
+
+def test_a_purge_while_open_keeps_the_pending_rows_and_a_reload_changes_nothing(engine):
+    """The form purge keeps the rows an OPEN breaker owes a refund, as `pgq purge`
+    does, and says so on the page it redirects to. Failed before the change routes
+    answered a browser with 303: the answer was the POST's own page (a reload posted
+    it again, scripts/attacks/web2_reload_reposts.py)."""
+    from helpers import kill, states
+    from sqlalchemy import update
+
+    from pgq import schema as t
+    from pgq.web import WebOptions, dashboard_server
+
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    ids = pgq.publish_many(engine, "t", [{"n": i} for i in range(4)])
+    with engine.begin() as conn:
+        conn.execute(update(t.breaker).values(state="OPEN", epoch=1))
+    kill(engine, ids[:2], "systemic", error_epoch=0, refunds=0)  # the outage's: pending
+    kill(engine, ids[2:], "message")
+    token = "attack-test-token-0123456789"
+    server = dashboard_server(engine, port=0, token=token, options=WebOptions())
+    server.start()
+    try:
+        parts = urllib.parse.urlsplit(server.url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+        conn.request(
+            "POST",
+            "/login",
+            body=f"token={token}",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
+        resp = conn.getresponse()
+        resp.read()
+        cookie = resp.getheader("Set-Cookie", "").split(";", 1)[0]
+        conn.request("GET", "/groups/g", headers={"Cookie": cookie})
+        page = conn.getresponse().read().decode()
+        found = re.search(r'name="csrf" value="([^"]+)"', page)
+        assert found, page
+        body = urllib.parse.urlencode({"reason": "clean up", "csrf": found.group(1)})
+        headers = {
+            "Cookie": cookie,
+            "Origin": server.url.rstrip("/"),
+            "Content-Type": "application/x-www-form-urlencoded",
+        }
+        conn.request("POST", "/groups/g/purge", body=body, headers=headers)
+        resp = conn.getresponse()
+        resp.read()
+        assert resp.status == 303
+        location = resp.getheader("Location", "")
+        assert re.fullmatch(r"/groups/g\?done=\d+&kept=2", location), location
+        for _ in range(2):  # reloading the page it lands on changes nothing
+            conn.request("GET", location, headers={"Cookie": cookie})
+            page = conn.getresponse().read().decode()
+            assert re.search(r'id="result">purged 2, kept 2 pending reconciliation \(audit', page)
+        conn.close()
+    finally:
+        server.close()
+    assert states(engine, "g") == {"dead": 2}
+    assert {mid for mid, r in _rows(engine).items() if r == "dead"} == set(ids[:2])
+    audit = pgq.monitor.audit(engine, "g")
+    assert [(a["action"], a["count"]) for a in audit] == [("purge", 2)]
+
+
+def _rows(engine) -> dict[int, str]:
+    from helpers import rows
+
+    return {mid: r.state for mid, r in rows(engine, "g").items()}
