@@ -186,6 +186,11 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
     def api_group(name: str) -> Any:
         return jsonify(dashboard.status(name))
 
+    @app.get("/favicon.ico")
+    def favicon() -> Any:
+        """What a browser asks for on a page that names no icon (the JSON ones)."""
+        return app.send_static_file("favicon.svg")
+
     @app.get("/healthz")
     def healthz() -> Any:
         dashboard.health()  # raises DatabaseUnavailable: 503

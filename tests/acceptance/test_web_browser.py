@@ -63,6 +63,7 @@ def browser() -> Iterator[object]:
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
         options.add_argument(arg)
     options.add_argument("--window-size=1400,1100")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # console()
     driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
     driver.set_page_load_timeout(30)
     try:
@@ -100,6 +101,11 @@ def text_of(driver, css: str) -> str | None:
         return driver.find_element("css selector", css).text
     except (NoSuchElementException, StaleElementReferenceException):
         return None
+
+
+def console(driver) -> list[str]:
+    """The browser console's warnings and errors since the last call."""
+    return [e["message"] for e in driver.get_log("browser") if e["level"] in ("WARNING", "SEVERE")]
 
 
 def shoot(driver, out: Path, name: str) -> Path:
@@ -265,5 +271,41 @@ def test_reloading_the_answer_to_a_requeue_changes_nothing(browser, engine):
         wait_until(lambda: text_of(driver, "#breaker-state"), 10, "the page again")
         assert [(a["action"], a["count"]) for a in monitor.audit(engine, "g")] == [("requeue", 2)]
         assert monitor.status(engine, "g")["counts"]["dead"] == 2
+    finally:
+        server.close()
+
+
+def test_no_page_logs_a_console_error(browser, engine):
+    """No CSP violation, script error or failed fetch on any page, live updates
+    included (the 404 and 400 pages' own status aside). Failed before the pages named
+    an icon: each browser session's first page logged `favicon.ico - Failed to load
+    resource: 404` (scripts/attacks/web2_console_errors.py)."""
+    driver = browser
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    [mid] = pgq.publish_many(engine, "t", [{"n": 1}])
+    token = "browser-test-token-0123456789"
+    server = dashboard_server(engine, port=0, token=token, options=WebOptions(refresh=0.2))
+    server.start()
+    pages = [
+        "",
+        "?all=1",
+        "groups/g",
+        "groups/g?window=1m",
+        f"groups/g/messages/{mid}",
+        "login",
+        "api/groups",
+        "groups/nope",
+        "groups/g?class=bogus",
+    ]
+    try:
+        found = {}
+        for page in pages:
+            url = server.url + page
+            driver.get(url)
+            if driver.find_elements("css selector", "#live"):
+                wait_until(lambda: "live ·" in (text_of(driver, "#live-status") or ""), 10)
+            found[page] = [line for line in console(driver) if not line.startswith(url + " ")]
+        assert {page: lines for page, lines in found.items() if lines} == {}
     finally:
         server.close()
