@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -20,6 +21,7 @@ from sqlalchemy import Engine
 from pgq.cli.base import CliFailure, State, bind_dashboard, cli_dsn, pass_state, web_extra
 from pgq.cli.web import stopping_on_signals
 from pgq.demo import DEMO_SETTINGS, GROUP, RATE, WATCHED, run_demo
+from pgq.errors import UsageError
 from pgq.store import conninfo_of
 
 __all__ = ["demo"]
@@ -70,6 +72,19 @@ class _Dashboard:
             server.close()
 
 
+def _port_free(port: int) -> None:
+    """A `UsageError` now when `port` cannot be had, before the story starts (the
+    dashboard binds it only once the demo's schema exists: web2_demo_port_taken.py)."""
+    if port == 0:
+        return
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as waitress binds
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise UsageError(f"cannot listen on 127.0.0.1:{port}: {exc.strerror or exc}") from None
+
+
 @click.command()
 @click.option(
     "--dsn",
@@ -102,6 +117,7 @@ def demo(state: State, dsn: str | None, web: bool, port: int) -> None:
     watch = _Dashboard(port) if web else None
     if web:
         web_extra()  # before the story: a missing extra is exit 2 at once
+        _port_free(port)  # and so is a taken port
     pace = WATCHED if web else None
     messages = int(RATE * (WATCHED.cut_after + WATCHED.outage + 8)) if web else 600
     with _quiet_library(), stopping_on_signals():

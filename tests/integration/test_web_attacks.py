@@ -218,3 +218,28 @@ def _rows(engine) -> dict[int, str]:
     from helpers import rows
 
     return {mid: r.state for mid, r in rows(engine, "g").items()}
+
+
+@pytest.mark.slow
+def test_pgq_demo_web_with_its_port_taken_fails_before_the_story(pg_dsn):
+    """Failed before `_port_free` (pgq/cli/demo.py): the demo created its schema and
+    printed its first narration line, then failed to listen (exit 2 with a half-told
+    story; scripts/attacks/web2_demo_port_taken.py)."""
+    import socket
+
+    before = demo_schemas(pg_dsn)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [*PGQ, "demo", "--web", "--port", str(port), "--dsn", pg_dsn],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"pgq: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    ]
+    assert demo_schemas(pg_dsn) == before
