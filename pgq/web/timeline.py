@@ -16,7 +16,7 @@ from markupsafe import Markup
 
 from pgq.cli.render import visible
 
-__all__ = ["Event", "Span", "Timeline", "timeline"]
+__all__ = ["UNREAD", "Event", "Span", "Timeline", "timeline"]
 
 OUTCOME_CLASS = {"failed": "bad", "inconclusive": "meh", "succeeded": "good"}
 
@@ -25,9 +25,13 @@ WINDOWS = (60.0, 300.0, 900.0, 3600.0, 6 * 3600.0, 24 * 3600.0)
 outage from its start (a five-second outage drawn over an hour is a dot)."""
 
 
+UNREAD = "UNREAD"
+"""The state of a span before the oldest transition read, when older ones were not read."""
+
+
 @dataclass(frozen=True, slots=True)
 class Span:
-    state: str  # OPEN or CLOSED
+    state: str  # OPEN, CLOSED or UNREAD
     start: dt.datetime
     end: dt.datetime
     epoch: int | None
@@ -63,8 +67,11 @@ class Timeline:
             x0, x1 = x(s.start), x(s.end)
             if x1 - x0 <= 0:
                 continue
-            title = f"{s.state} epoch {s.epoch if s.epoch is not None else '?'}: "
-            title += f"{_hms(s.start)}–{_hms(s.end)}"
+            if s.state == UNREAD:
+                title = f"earlier transitions not read: {_hms(s.start)}–{_hms(s.end)}"
+            else:
+                title = f"{s.state} epoch {s.epoch if s.epoch is not None else '?'}: "
+                title += f"{_hms(s.start)}–{_hms(s.end)}"
             parts.append(
                 Markup(
                     '<rect class="span {cls}" x="{x:.1f}" y="4" width="{w:.1f}" height="22">'
@@ -133,12 +140,22 @@ def auto_window(history: Sequence[Mapping[str, Any]], now: dt.datetime) -> float
     return next((w for w in WINDOWS if age <= w * 0.8), WINDOWS[-1])
 
 
-def timeline(info: Mapping[str, Any], *, now: dt.datetime, window: float | None = None) -> Timeline:
+def timeline(
+    info: Mapping[str, Any],
+    *,
+    now: dt.datetime,
+    window: float | None = None,
+    truncated: bool = False,
+) -> Timeline:
     """The timeline of the last `window` seconds (`auto_window` when None) from a
     `breaker_info` object.
 
     Before the oldest transition listed the state is the other one (the
     breaker alternates); with no transition at all it is the current state.
+    When `truncated` (the history read is only the newest transitions) and
+    the oldest one listed is not the first, the time before it is `UNREAD`:
+    drawn as the other state it would claim a breaker that flapped for hours
+    had been steady (scripts/attacks/web2_timeline_truncated.py).
     """
     history: Sequence[Mapping[str, Any]] = sorted(
         info.get("history", ()), key=lambda h: (h["epoch"], h["at"])
@@ -150,6 +167,8 @@ def timeline(info: Mapping[str, Any], *, now: dt.datetime, window: float | None 
     if history:
         first = history[0]
         before = "CLOSED" if first["state"] == "OPEN" else "OPEN"
+        if truncated and first["epoch"] > 1:
+            before = UNREAD
         spans.append(Span(before, start, _ts(first["at"]), first["epoch"] - 1))
     else:
         spans.append(Span(info["state"], start, now, info.get("epoch")))

@@ -176,7 +176,10 @@ class Dashboard:
         return {
             "status": status,
             "breaker": info,
-            "timeline": timeline(info, now=now, window=window),
+            "timeline": timeline(
+                info, now=now, window=window, truncated=len(info["history"]) >= HISTORY_LIMIT
+            ),
+            "probe_limit": PROBE_LIMIT,
             "dead": dead,
             "dead_limit": DEAD_LIMIT,
             "dead_split": monitor.dead_split(engine, name, self.options.max_refunds),

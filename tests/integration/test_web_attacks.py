@@ -243,3 +243,60 @@ def test_pgq_demo_web_with_its_port_taken_fails_before_the_story(pg_dsn):
         f"pgq: error: cannot listen on 127.0.0.1:{port}: Address already in use"
     ]
     assert demo_schemas(pg_dsn) == before
+
+
+# -- scale -------------------------------------------------------------------------------
+
+
+def test_a_flapping_breakers_timeline_draws_no_state_it_did_not_read(engine, schema):
+    """2,000 transitions ten seconds apart and 5,000 probes: the group page reads the
+    newest 50 and 200 and says so. Failed before `truncated`: the 24 h timeline drew
+    one CLOSED span over 99 % of the day (scripts/attacks/web2_timeline_truncated.py)."""
+    from sqlalchemy import text
+
+    from pgq.web import WebOptions, dashboard_server
+
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    [mid] = pgq.publish_many(engine, "t", [{"n": 1}])
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                f'INSERT INTO "{schema}".breaker_history (group_id, epoch, state, at, refunded)'
+                " SELECT g.id, n, CASE WHEN n % 2 = 1 THEN 'OPEN' ELSE 'CLOSED' END,"
+                " now() - make_interval(secs => (2001 - n) * 10), 0"
+                f' FROM "{schema}".consumer_group g, generate_series(1, 2000) n'
+            )
+        )
+        conn.execute(
+            text(
+                f'INSERT INTO "{schema}".probe (group_id, epoch, at, member, message_id, outcome)'
+                " SELECT g.id, 1 + n % 2000, now() - make_interval(secs => (5001 - n) * 4),"
+                " 'm' || n % 3, :mid, (ARRAY['failed', 'succeeded', 'inconclusive'])[1 + n % 3]"
+                f' FROM "{schema}".consumer_group g, generate_series(1, 5000) n'
+            ),
+            {"mid": mid},
+        )
+        conn.execute(text(f'UPDATE "{schema}".breaker SET epoch = 2000'))
+    server = dashboard_server(engine, port=0, options=WebOptions())
+    server.start()
+    try:
+        started = time.monotonic()
+        parts = urllib.parse.urlsplit(server.url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+        conn.request("GET", "/groups/g?window=24h")
+        resp = conn.getresponse()
+        page = resp.read().decode()
+        took = time.monotonic() - started
+        conn.close()
+    finally:
+        server.close()
+    assert resp.status == 200
+    assert took < 5, took  # measured 0.1-0.2 s
+    svg = re.search(r'<svg class="timeline".*?</svg>', page, re.S)
+    assert svg and len(svg.group(0)) < 100_000, len(svg.group(0)) if svg else page
+    spans = re.findall(r'<rect class="span (\w+)" x="[\d.]+" y="4" width="([\d.]+)"', svg.group(0))
+    assert spans[0][0] == "unread" and float(spans[0][1]) > 890, spans[:3]
+    assert {cls for cls, _ in spans[1:]} == {"open", "closed"}
+    assert "earlier transitions, not read" in page
+    assert 'id="probes-cut"' in page and "only the last 200 probes" in page

@@ -225,3 +225,32 @@ def test_cross_site_requests_are_refused(headers, allowed):
 )
 def test_host_header_names_this_server(host_header, listen, allowed):
     assert host_allowed(host_header, listen, 8080) is allowed
+
+
+def test_a_truncated_history_leaves_the_time_before_it_unread():
+    """Failed before `truncated`: with only the newest transitions read, the time
+    before the oldest one was drawn as the other state, so a breaker that flapped
+    for hours looked steady (scripts/attacks/web2_timeline_truncated.py)."""
+    flapping = {
+        "state": "CLOSED",
+        "epoch": 40,
+        "history": [
+            {
+                "epoch": e,
+                "state": "OPEN" if e % 2 else "CLOSED",
+                "at": at(10 * (41 - e)),
+                "refunded": 0,
+            }
+            for e in range(40, 30, -1)
+        ],
+        "probes": [],
+    }
+    t = timeline(flapping, now=NOW, window=3600, truncated=True)
+    assert (t.spans[0].state, t.spans[0].start) == ("UNREAD", NOW - dt.timedelta(seconds=3600))
+    assert t.spans[0].end == NOW - dt.timedelta(seconds=100)
+    assert {s.state for s in t.spans[1:]} == {"OPEN", "CLOSED"}
+    assert 'class="span unread"' in t.svg() and "earlier transitions not read" in t.svg()
+    assert timeline(flapping, now=NOW, window=3600).spans[0].state == "CLOSED"  # as read
+    # a history that starts at the first transition is complete, truncated or not
+    first = timeline(outage(opened=120, closed=60), now=NOW, window=300, truncated=True)
+    assert first.spans[0].state == "CLOSED"
