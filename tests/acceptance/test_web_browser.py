@@ -309,3 +309,43 @@ def test_no_page_logs_a_console_error(browser, engine):
         assert {page: lines for page, lines in found.items() if lines} == {}
     finally:
         server.close()
+
+
+def test_live_updates_keep_the_readers_scroll_and_selection(browser, engine):
+    """Failed before live.js kept them: every update replaced the live part, so the
+    payload's box jumped back to its top and a selection to copy was dropped, every
+    refresh (scripts/attacks/web2_live_swap_resets_scroll.py)."""
+    from helpers import kill, set_rows
+
+    driver = browser
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    [mid] = pgq.publish_many(engine, "t", [{"lines": [f"line {i}" for i in range(2000)]}])
+    server = dashboard_server(engine, port=0, options=WebOptions(refresh=0.2))
+    server.start()
+    try:
+        driver.get(f"{server.url}groups/g/messages/{mid}")
+        wait_until(lambda: "live ·" in (text_of(driver, "#live-status") or ""), 10, "an update")
+        driver.execute_script("document.getElementById('payload').scrollTop = 5000")
+        scrolled = driver.execute_script("return document.getElementById('payload').scrollTop")
+        assert scrolled > 4000
+        kill(engine, [mid], "message")  # the live part changes, so it is swapped in
+        wait_until(lambda: text_of(driver, "#message-state") == "dead", 10, "the new state")
+        marker = driver.execute_script("return document.getElementById('live-status').textContent")
+        wait_until(lambda: text_of(driver, "#live-status") != marker, 10, "one more update")
+        assert driver.execute_script("return document.getElementById('payload').scrollTop") == (
+            scrolled
+        )
+        driver.execute_script(
+            "var r = document.createRange();"
+            " r.selectNodeContents(document.getElementById('message-state'));"
+            " var s = window.getSelection(); s.removeAllRanges(); s.addRange(r);"
+        )
+        set_rows(engine, [mid], state="ready")  # a change while the reader selects
+        wait_until(lambda: text_of(driver, "#live-status") == "paused while text is selected", 10)
+        assert driver.execute_script("return window.getSelection().toString()") == "dead"
+        driver.execute_script("window.getSelection().removeAllRanges()")
+        wait_until(lambda: text_of(driver, "#message-state") == "ready", 10, "updates again")
+        assert console(driver) == []
+    finally:
+        server.close()
