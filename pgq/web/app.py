@@ -121,7 +121,7 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             code = 404
         elif isinstance(exc, UsageError):
             code = 400
-        if code >= 500:
+        if code == 500:  # a 503's streak is logged by the dashboard, once
             logger.warning("web request failed path=%r error=%r", request.path, str(exc))
         if request.path.startswith("/api/") or request.path == "/healthz":
             return jsonify({"error": visible(str(exc))}), code

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine
 
 from pgq import monitor
-from pgq.errors import PgqError
+from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.store import database_now
 from pgq.store.deadline import ReadDeadline
 from pgq.web.history import History, lag, throughput
@@ -72,15 +72,33 @@ class Dashboard:
         self.history = History(self.options.chart_span, self.clock)
         self._sampled = float("-inf")
         self._lock = threading.Lock()
+        self._unavailable = 0  # reads failed with DatabaseUnavailable since the last success
+        self._closing = threading.Event()
         self._reads = ReadDeadline(self.engine, READERS, "pgq-web-read")
 
     def _within(self, read: Callable[..., T], *args: Any) -> T:
         """`read(engine, *args)` on a reader thread, ended after `read_timeout`
-        (`DatabaseUnavailable`)."""
-        return self._reads.run(self.options.read_timeout, read, *args)
+        (`DatabaseUnavailable`). A streak of unavailable reads is logged once, when
+        it starts and when it ends: every open page asks every few seconds, and a
+        line each time buried the news (scripts/attacks/web2_outage_log_flood.py)."""
+        try:
+            result = self._reads.run(self.options.read_timeout, read, *args)
+        except DatabaseUnavailable as exc:
+            with self._lock:
+                self._unavailable += 1
+                first = self._unavailable == 1
+            if first and not self._closing.is_set():
+                logger.warning("web database unavailable error=%r", str(exc))
+            raise
+        with self._lock:
+            failed, self._unavailable = self._unavailable, 0
+        if failed:
+            logger.warning("web database answers again failed_reads=%d", failed)
+        return result
 
     def close(self) -> None:
         """Stop the reader threads and close the dashboard's connections."""
+        self._closing.set()  # the reads it ends are no news
         self._reads.close()
 
     def health(self) -> dt.datetime:
@@ -150,6 +168,8 @@ class Dashboard:
             try:
                 self.sample()
                 failing = False
+            except DatabaseUnavailable:
+                pass  # logged by `_within`, once a streak
             except PgqError as exc:
                 if not failing and not stop.is_set():
                     logger.warning("web sample failed error=%r", str(exc))

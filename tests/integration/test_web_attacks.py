@@ -300,3 +300,36 @@ def test_a_flapping_breakers_timeline_draws_no_state_it_did_not_read(engine, sch
     assert {cls for cls, _ in spans[1:]} == {"open", "closed"}
     assert "earlier transitions, not read" in page
     assert 'id="probes-cut"' in page and "only the last 200 probes" in page
+
+
+def test_an_outage_is_logged_once_not_once_a_request(engine, serve_down, caplog):
+    """Failed before the dashboard logged a streak of unavailable reads once: each
+    request of each open page logged `web request failed ... cannot reach the
+    database`, 41 lines for 40 requests here (scripts/attacks/web2_outage_log_flood.py)."""
+    caplog.set_level(logging.INFO, logger="pgq")
+    server = serve_down
+    paths = ["/groups/g?live=1", "/api/groups", "/healthz", "/"] * 10
+    assert {status_of(server.url, path=p) for p in paths} == {503}
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("web database unavailable error=")
+
+
+@pytest.fixture
+def serve_down():
+    """A dashboard over a database that refuses connections."""
+    import socket
+
+    from pgq.web import WebOptions, dashboard_server
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    gone = pgq.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres", schema="nowhere")
+    server = dashboard_server(gone, port=0, options=WebOptions(sample_every=3600))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+        gone.dispose()
