@@ -11,6 +11,7 @@ then it exits 0 (`stopping_on_signals`).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -28,10 +29,19 @@ __all__ = ["stopping_on_signals", "web"]
 
 logger = logging.getLogger("pgq.cli")
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 STOP_SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
 )
+
+
+def _loopback(host: str) -> bool:
+    """Whether `host` is this machine's loopback (all of 127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @contextlib.contextmanager
@@ -76,6 +86,8 @@ def web(state: State, host: str, port: int, admin: bool) -> None:
     says whether the database answers. Ctrl-C stops it.
     """
     web = web_extra()
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]  # `[::1]`, as URLs write it (web2_host_forms.py)
     token = None
     if admin:
         token = os.environ.get(web.TOKEN_ENV, "")
@@ -90,7 +102,7 @@ def web(state: State, host: str, port: int, admin: bool) -> None:
     )
     status_all(state.engine, member_ttl=options.member_ttl)
     server = bind_dashboard(state.engine, host, port, token=token, options=options)
-    if host not in LOOPBACK:
+    if not _loopback(host):
         logger.warning(
             "web listening beyond this machine host=%s: anyone who reaches it can read"
             " every group%s",

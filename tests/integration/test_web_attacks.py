@@ -333,3 +333,39 @@ def serve_down():
     finally:
         server.close()
         gone.dispose()
+
+
+# -- where it listens ------------------------------------------------------------------
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("host", ["127.0.0.2", "[::1]"])
+def test_a_loopback_host_in_any_form_listens_quietly_at_a_working_url(
+    engine, pgq_env, tmp_path, host
+):
+    """Failed before `_loopback` and the bracket strip (pgq/cli/web.py): both warned
+    `web listening beyond this machine`, and `[::1]` printed `http://[[::1]]:PORT/`
+    (scripts/attacks/web2_host_forms.py)."""
+    if ":" in host and not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback here")
+    log = tmp_path / "web.log"
+    proc = spawn_pgq(pgq_env, "web", "--host", host, "--port", "0", log=log)
+    try:
+        url = url_of(log, proc)
+        assert status_of(url, path="/healthz") == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code, _, _ = finish(proc, 30)
+    assert code == 0
+    assert "beyond this machine" not in log.read_text()
