@@ -45,6 +45,20 @@ FAST = {
 }
 """Short consumer settings for tests (keyword spelling)."""
 
+LONE_OUTAGE = {
+    **FAST,
+    "workers": 2,
+    "breaker_min_members": 1,
+    "breaker_window": 4,
+    "breaker_min_calls": 4,
+    "breaker_open_for": 0.2,
+    "breaker_open_for_max": 0.4,
+    "breaker_probe_interval": 0.3,
+    "breaker_probe_interval_max": 0.6,
+}
+"""`FAST`, and a breaker that one member trips alone within four calls and probes
+every 0.3-0.6 s: an outage, its probes and its close in about a second."""
+
 
 def wait_until(
     predicate: Callable[[], T],

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 
 import psycopg
 import pytest
-from helpers import FAST, wait_until
+from helpers import FAST, LONE_OUTAGE, wait_until
 from roles import EVERYTHING, consumer_role
 from sqlalchemy import Engine, select, update
 from sqlalchemy.exc import DBAPIError
@@ -36,17 +36,7 @@ class Role(NamedTuple):
     engine: Engine
 
 
-OUTAGE = {
-    **FAST,
-    "workers": 2,
-    "breaker_min_members": 1,
-    "breaker_window": 4,
-    "breaker_min_calls": 4,
-    "breaker_open_for": 0.2,
-    "breaker_open_for_max": 0.4,
-    "breaker_probe_interval": 0.3,
-    "breaker_probe_interval_max": 0.6,
-}
+OUTAGE = LONE_OUTAGE
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 import pytest
-from helpers import FAST, pin_frontier, rows, wait_until
+from helpers import LONE_OUTAGE, pin_frontier, rows, wait_until
 from sqlalchemy import Engine
 
 import pgq
@@ -27,17 +27,7 @@ from pgq.store import GroupStore, group_info, probe_lock, probe_lock_key, run_on
 
 pytestmark = pytest.mark.slow
 
-SHORT = {
-    **FAST,
-    "workers": 2,
-    "breaker_min_members": 1,
-    "breaker_window": 4,
-    "breaker_min_calls": 4,
-    "breaker_open_for": 0.2,
-    "breaker_open_for_max": 0.4,
-    "breaker_probe_interval": 0.3,
-    "breaker_probe_interval_max": 0.6,
-}
+SHORT = LONE_OUTAGE
 
 
 @dataclass
