@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import re
 
 import pytest
 
@@ -138,6 +139,19 @@ def test_sparkline_scales_to_its_maximum():
     )
     assert 'points="2.0,32.0 52.0,17.0 102.0,2.0"' in svg
     assert "lag of &lt;g&gt;" in svg
+
+
+def test_a_sparkline_of_an_hour_of_samples_stays_small_and_keeps_dips_and_peaks():
+    """Failed before `_columns`: every sample was a point, 720 of them on 160 pixels
+    (the overview of 500 groups, 7.8 MB a refresh after an hour;
+    scripts/attacks/web2_overview_grows_with_time.py)."""
+    values = [5.0] * 720
+    values[300], values[500] = 0.0, 50.0  # one outage dip, one burst
+    svg = sparkline(list(enumerate(values)), start=0, end=719, width=160, label="x")
+    [points] = re.findall(r'points="([^"]*)"', svg)
+    ys = [float(p.split(",")[1]) for p in points.split()]
+    assert len(ys) <= 2 * 160 // 4
+    assert max(ys) == 30.0 and min(ys) == 2.0  # the dip (value 0) and the burst (the top)
 
 
 def test_text_is_made_visible_markup_is_kept():
