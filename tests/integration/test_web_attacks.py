@@ -369,3 +369,48 @@ def test_a_loopback_host_in_any_form_listens_quietly_at_a_working_url(
         code, _, _ = finish(proc, 30)
     assert code == 0
     assert "beyond this machine" not in log.read_text()
+
+
+# -- hostile input ------------------------------------------------------------------------
+
+
+def test_live_on_a_page_without_a_live_part_answers_the_page(engine, caplog):
+    """Failed before `LIVE_PAGES`: `/login?live=1` and a requeue or purge posted to
+    `...?live=1` were a 500 with a traceback (TemplateNotFound), the changes after
+    they were committed (scripts/attacks/web2_live_param_500.py)."""
+    from helpers import kill, states
+
+    from pgq.web import WebOptions, dashboard_server
+
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    ids = pgq.publish_many(engine, "t", [{"n": 1}, {"n": 2}])
+    kill(engine, ids, "message")
+    caplog.set_level(logging.DEBUG)
+    token = "attack-test-token-0123456789"
+    server = dashboard_server(engine, port=0, token=token, options=WebOptions())
+    server.start()
+    parts = urllib.parse.urlsplit(server.url)
+    answers = {}
+    try:
+        for method, path, body in (
+            ("GET", "/login?live=1", None),
+            ("POST", "/groups/g/requeue?live=1", f"ids={ids[0]}&reason=x"),
+            ("POST", "/groups/g/purge?live=1", "reason=x"),
+        ):
+            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+            headers = {"Authorization": f"Bearer {token}"}
+            if body:
+                headers["Content-Type"] = "application/x-www-form-urlencoded"
+            conn.request(method, path, body=body, headers=headers)
+            resp = conn.getresponse()
+            page = resp.read().decode()
+            answers[f"{method} {path}"] = resp.status
+            if method == "POST":
+                assert 'id="result"' in page, page
+            conn.close()
+    finally:
+        server.close()
+    assert answers == dict.fromkeys(answers, 200)
+    assert [r.getMessage() for r in caplog.records if r.exc_info] == []
+    assert states(engine, "g") == {"ready": 1}
