@@ -265,7 +265,7 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
     def login() -> Any:
         if not guard.admin:
             abort(403, "this dashboard is read-only (start pgq web with --admin)")
-        if request.method == "GET":
+        if request.method != "POST":  # GET, and HEAD as GET (web2_head_login.py)
             return _page("login.html", failed=False)
         s = guard.login(request.form.get("token"))
         if s is None:

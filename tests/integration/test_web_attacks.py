@@ -377,7 +377,8 @@ def test_a_loopback_host_in_any_form_listens_quietly_at_a_working_url(
 def test_live_on_a_page_without_a_live_part_answers_the_page(engine, caplog):
     """Failed before `LIVE_PAGES`: `/login?live=1` and a requeue or purge posted to
     `...?live=1` were a 500 with a traceback (TemplateNotFound), the changes after
-    they were committed (scripts/attacks/web2_live_param_500.py)."""
+    they were committed (scripts/attacks/web2_live_param_500.py); `HEAD /login` was
+    a 403 (scripts/attacks/web2_head_login.py)."""
     from helpers import kill, states
 
     from pgq.web import WebOptions, dashboard_server
@@ -395,6 +396,7 @@ def test_live_on_a_page_without_a_live_part_answers_the_page(engine, caplog):
     try:
         for method, path, body in (
             ("GET", "/login?live=1", None),
+            ("HEAD", "/login?live=1", None),  # a 403 (a login without a token) before
             ("POST", "/groups/g/requeue?live=1", f"ids={ids[0]}&reason=x"),
             ("POST", "/groups/g/purge?live=1", "reason=x"),
         ):
