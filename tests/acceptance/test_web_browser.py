@@ -191,6 +191,9 @@ def test_an_operator_watches_an_outage_open_probe_close_and_refund(browser, memb
     # the charts have the outage's samples (one a second here)
     assert driver.find_elements("css selector", 'tr[data-group="g"] svg.spark polyline')
     shoot(driver, tmp_path, "overview-after")
+    # nothing in the console through the whole outage: no CSP violation, script error
+    # or failed update (the live updates ran every 0.5 s)
+    assert console(driver) == []
     members.stop_all()
 
 
