@@ -352,3 +352,39 @@ def test_live_updates_keep_the_readers_scroll_and_selection(browser, engine):
         assert console(driver) == []
     finally:
         server.close()
+
+
+def test_a_dashboard_that_stops_answering_is_said_on_the_page(browser, engine, pgq_env, tmp_path):
+    """Failed before live.js gave up an update after 5 refreshes (at least 10 s): with
+    `pgq web` SIGSTOPped the update never ended and the page said `live · <time>` for
+    good (scripts/attacks/web2_hung_update_looks_live.py)."""
+    import re
+    import signal
+
+    from helpers import finish, spawn_pgq
+
+    driver = browser
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    log = tmp_path / "web.log"
+    proc = spawn_pgq(pgq_env, "web", "--port", "0", log=log)
+    try:
+        found = wait_until(
+            lambda: re.search(r"pgq web: (http://\S+/) ", log.read_text()), 30, "the URL"
+        )
+        driver.get(found.group(1) + "groups/g")
+        wait_until(lambda: "live ·" in (text_of(driver, "#live-status") or ""), 10, "an update")
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(
+                lambda: text_of(driver, "#live-status") == "connection lost, retrying",
+                25,
+                "the page to say the connection is lost",
+            )
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        wait_until(lambda: "live ·" in (text_of(driver, "#live-status") or ""), 25, "updates again")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        code, _, _ = finish(proc, 30)
+    assert code == 0, log.read_text()

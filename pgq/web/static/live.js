@@ -1,5 +1,6 @@
 // Live pages: every data-refresh ms, fetch this page's live part (?live=1) and swap it in.
-// The server escapes everything it renders; a failed fetch says so and tries again.
+// The server escapes everything it renders; a failed fetch says so and tries again, and
+// so does one that has not ended after 5 refreshes (at least 10 s).
 // An update keeps what the reader did: an unchanged part is not replaced, no update
 // lands while text in it is selected, and scrolled boxes keep their place.
 (function () {
@@ -36,7 +37,9 @@
     if (selecting()) { say("paused while text is selected", false); setTimeout(tick, every); return; }
     var url = new URL(window.location.href);
     url.searchParams.set("live", "1");
-    fetch(url.toString(), { credentials: "same-origin", cache: "no-store" })
+    var abort = new AbortController();  // an update that never ends is a lost connection
+    var late = setTimeout(function () { abort.abort(); }, Math.max(10000, 5 * every));
+    fetch(url.toString(), { credentials: "same-origin", cache: "no-store", signal: abort.signal })
       .then(function (r) {
         if (!r.ok) { say("update failed: HTTP " + r.status, true); return; }
         return r.text().then(function (html) {
@@ -45,7 +48,7 @@
         });
       })
       .catch(function () { say("connection lost, retrying", true); })
-      .then(function () { setTimeout(tick, every); });
+      .then(function () { clearTimeout(late); setTimeout(tick, every); });
   }
   say("live", false);
   setTimeout(tick, every);
