@@ -23,11 +23,14 @@ take `state: State` through `@pass_state`, call the library through
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
-from collections.abc import Callable, Iterable
+import signal
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import IO, Any, TypeVar
 
 import click
@@ -56,6 +59,7 @@ __all__ = [
     "emit",
     "json_option",
     "pass_state",
+    "stopping_on_signals",
     "web_extra",
 ]
 
@@ -295,3 +299,31 @@ def bind_dashboard(engine: Engine, host: str, port: int, **options: Any) -> Any:
         raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     except ValueError:  # waitress: the address does not resolve
         raise UsageError(f"cannot listen on {host!r}: not an address of this machine") from None
+
+
+STOP_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+
+@contextlib.contextmanager
+def stopping_on_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread, as Ctrl-C does, so
+    that the same clean stop runs (a service manager stops with SIGTERM; its default
+    action killed `pgq web` mid-request and left `pgq demo --web`'s scratch schema
+    behind: scripts/attacks/web2_sigterm.py). A second one acts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, interrupt) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -9,7 +9,8 @@ retried); 1 otherwise (a second signal, handlers that overran the grace).
 
 The settings are built once here, in the CLI's layers (the config file, then
 `PGQ_*` variables, then the flags), and handed to `Consumer` as one object.
-This is the only place that installs signal handlers.
+This is the only place that installs signal handlers for a member (`pgq web` and
+`pgq demo` turn SIGTERM and SIGHUP into Ctrl-C: `base.stopping_on_signals`).
 """
 
 from __future__ import annotations

@@ -18,8 +18,15 @@ from collections.abc import Iterator
 import click
 from sqlalchemy import Engine
 
-from pgq.cli.base import CliFailure, State, bind_dashboard, cli_dsn, pass_state, web_extra
-from pgq.cli.web import stopping_on_signals
+from pgq.cli.base import (
+    CliFailure,
+    State,
+    bind_dashboard,
+    cli_dsn,
+    pass_state,
+    stopping_on_signals,
+    web_extra,
+)
 from pgq.demo import DEMO_SETTINGS, GROUP, RATE, WATCHED, run_demo
 from pgq.errors import UsageError
 from pgq.store import conninfo_of

@@ -10,28 +10,19 @@ then it exits 0 (`stopping_on_signals`).
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import os
-import signal
-import threading
-from collections.abc import Iterator
-from types import FrameType
 
 import click
 
-from pgq.cli.base import State, bind_dashboard, pass_state, web_extra
+from pgq.cli.base import State, bind_dashboard, pass_state, stopping_on_signals, web_extra
 from pgq.errors import UsageError
 from pgq.monitor import status_all
 
-__all__ = ["stopping_on_signals", "web"]
+__all__ = ["web"]
 
 logger = logging.getLogger("pgq.cli")
-
-STOP_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
-)
 
 
 def _loopback(host: str) -> bool:
@@ -42,29 +33,6 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-@contextlib.contextmanager
-def stopping_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread, as Ctrl-C does, so
-    that the same clean stop runs (a service manager stops with SIGTERM; its default
-    action killed `pgq web` mid-request and left `pgq demo --web`'s scratch schema
-    behind: scripts/attacks/web2_sigterm.py). A second one acts at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        for s in STOP_SIGNALS:
-            signal.signal(s, signal.SIG_DFL)
-        raise KeyboardInterrupt
-
-    previous = {s: signal.signal(s, interrupt) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 @click.command()
