@@ -39,6 +39,7 @@ import psycopg
 import pytest
 from helpers import (
     FAST,
+    LONE_OUTAGE,
     assert_usage_error,
     finish,
     invoke,
@@ -528,18 +529,7 @@ def _build_hostile(engine: Engine) -> dict[str, int]:
     """
     pgq.create_topic(engine, "t")
     pgq.subscribe(engine, "g", "t")
-    outage = {
-        **FAST,
-        "workers": 2,
-        "breaker_min_members": 1,
-        "breaker_window": 4,
-        "breaker_min_calls": 4,
-        "breaker_open_for": 0.2,
-        "breaker_open_for_max": 0.4,
-        "breaker_probe_interval": 0.3,
-        "breaker_probe_interval_max": 0.6,
-        "max_attempts": 50,
-    }
+    outage = {**LONE_OUTAGE, "max_attempts": 50}
     down = threading.Event()
     down.set()
 
