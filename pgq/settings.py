@@ -84,6 +84,7 @@ RESERVED_ENV_VARS: frozenset[str] = frozenset(
         "PGQ_SCHEMA",
         "PGQ_CONFIG",
         "PGQ_TEST_DSN",
+        "PGQ_CITUS_DSN",
         "PGQ_LOG_LEVEL",
         "PGQ_LOG_FORMAT",
         "PGQ_WEB_TOKEN",
