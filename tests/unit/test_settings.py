@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -511,3 +512,14 @@ def test_numbers_from_text_are_ascii_digits(raw: str) -> None:
         load_settings(env={"PGQ_WORKERS": raw})
     with pytest.raises(ConfigError, match="must be a number"):
         load_settings(env={"PGQ_BREAKER_QUORUM": "0." + raw})
+
+
+def test_the_variables_ci_exports_are_not_refused_as_settings():
+    """`.ci/run` exports `PGQ_TEST_DSN` and `PGQ_CITUS_DSN` for the test run: every
+    `pgq` process the tests start inherits them, so they must not be unknown settings
+    (the first CI run with the Citus cluster failed 40 tests that way)."""
+    script = (Path(__file__).resolve().parents[2] / ".ci" / "run").read_text()
+    exported = set(re.findall(r"export (PGQ_[A-Z_]+)=", script))
+    assert {"PGQ_TEST_DSN", "PGQ_CITUS_DSN"} <= exported
+    env = {name: "postgresql://x@127.0.0.1/db" for name in exported}
+    load_settings(None, env=env)  # raises ConfigError for an unknown PGQ_* variable
