@@ -107,8 +107,9 @@ consumer_group = Table(
 )
 
 lease_token = Sequence("lease_token", metadata=metadata, cache=100)
-"""Lease tokens: unique across all rows and claims, so a set of tokens names a set
-of leases exactly (`lease_seq = ANY(:seqs)` needs no per-row pairing)."""
+"""Where members of versions before the per-row token drew their lease tokens from
+(`nextval` in the claim). Today's claim does not use it (decision 0004); it stays so
+that such members, still running during an upgrade, keep claiming."""
 
 delivery = Table(
     "delivery",
@@ -124,7 +125,7 @@ delivery = Table(
     Column("refundable_reclaims", Integer, nullable=False, server_default=text("0")),
     Column("refunds", Integer, nullable=False, server_default=text("0")),
     Column("lease_owner", Text),
-    # a fresh token from `lease_token` on every claim: outcomes are fenced on it
+    # the row's lease token: every claim adds one; outcomes are fenced on (message_id, lease_seq)
     Column("lease_seq", BigInteger, nullable=False, server_default=text("0")),
     Column("lease_expires_at", _tstz()),
     Column("error_class", Text),

@@ -67,7 +67,9 @@ CONSUMER_TABLES: dict[str, tuple[str, ...]] = {
 """Table privileges a consumer member needs (besides USAGE on the schema)."""
 
 CONSUMER_SEQUENCES: dict[str, tuple[str, ...]] = {
-    "lease_token": ("USAGE",),  # a fresh lease token per claim (nextval)
+    # the lease tokens of members of earlier versions (nextval); today's claim counts
+    # per row, but such members may still run beside it during an upgrade
+    "lease_token": ("USAGE",),
 }
 """Sequence privileges a consumer member needs."""
 
