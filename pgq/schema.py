@@ -107,9 +107,8 @@ consumer_group = Table(
 )
 
 lease_token = Sequence("lease_token", metadata=metadata, cache=100)
-"""Where members of versions before the per-row token drew their lease tokens from
-(`nextval` in the claim). Today's claim does not use it (decision 0004); it stays so
-that such members, still running during an upgrade, keep claiming."""
+"""Lease tokens: unique across all rows and claims, so a set of tokens names a set
+of leases exactly (`lease_seq = ANY(:seqs)` needs no per-row pairing)."""
 
 delivery = Table(
     "delivery",
@@ -125,7 +124,7 @@ delivery = Table(
     Column("refundable_reclaims", Integer, nullable=False, server_default=text("0")),
     Column("refunds", Integer, nullable=False, server_default=text("0")),
     Column("lease_owner", Text),
-    # the row's lease token: every claim adds one; outcomes are fenced on (message_id, lease_seq)
+    # a fresh token from `lease_token` on every claim: outcomes are fenced on it
     Column("lease_seq", BigInteger, nullable=False, server_default=text("0")),
     Column("lease_expires_at", _tstz()),
     Column("error_class", Text),

@@ -21,7 +21,6 @@ from sqlalchemy import (
     or_,
     select,
     true,
-    tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -33,53 +32,17 @@ from pgq.sql.refunds import charged_within
 d, m = t.delivery, t.message
 
 
-def held_by(owner: ColumnElement[bool]) -> ColumnElement[bool]:
-    """Rows of `:gid` named by `:ids` whose lease owner is as `owner` says:
-    `message_id = ANY(:ids)` makes the plan a primary-key lookup per named row,
-    whatever else the statement joins."""
+def fenced() -> ColumnElement[bool]:
+    """Rows of `:gid` named by `:ids` whose lease is still one of `:seqs` held by
+    `:member`: the lease fence. Tokens are unique across rows and claims, so
+    `lease_seq = ANY(:seqs)` matches exactly the leases named, and
+    `message_id = ANY(:ids)` makes the plan a primary-key lookup per row."""
     return and_(
         d.c.group_id == bindparam("gid"),
         d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
-        owner,
+        d.c.lease_seq == any_(bindparam("seqs", type_=ARRAY(BigInteger))),
+        d.c.lease_owner == bindparam("member"),
     )
-
-
-def named_leases() -> Any:
-    """`unnest(:ids, :seqs)` as rows (message_id, seq): the leases a statement names,
-    each message with its own token."""
-    return (
-        func.unnest(
-            bindparam("ids", type_=ARRAY(BigInteger)),
-            bindparam("seqs", type_=ARRAY(BigInteger)),
-        )
-        .table_valued("message_id", "seq")
-        .render_derived()
-    )
-
-
-def pairwise() -> ColumnElement[bool]:
-    """The row's (message_id, lease_seq) is one of the pairs of `:ids`/`:seqs`.
-
-    Tokens count per row (each claim adds one to the row's own), so the same token
-    is current on many rows: `lease_seq = ANY(:seqs)` would let a stale outcome
-    (X, 2) pass against the newer lease (X, 3) whenever another row of the batch is
-    at 3. So each id is matched with its own token.
-
-    `IS TRUE` keeps the test a filter on the primary-key lookups of `held_by`, with
-    the pairs in a hash built once per statement (`hashed SubPlan`): as a bare
-    `IN` PostgreSQL makes it a semi-join, and for 100-row batches it chose a nested
-    loop comparing every row with every pair (O(batch²), measured 0.69 ms against
-    0.25 ms hashed; `lease_seq = ANY(:seqs)` was 0.65 ms, a scan of the array per
-    row)."""
-    leases = named_leases()
-    pairs = select(leases.c.message_id, leases.c.seq)
-    return tuple_(d.c.message_id, d.c.lease_seq).in_(pairs).is_(true())
-
-
-def fenced() -> ColumnElement[bool]:
-    """Rows of `:gid` whose lease is still one of the pairs `:ids`/`:seqs` held by
-    `:member`: the lease fence (decision 0004)."""
-    return and_(held_by(d.c.lease_owner == bindparam("member")), pairwise())
 
 
 @cache
@@ -100,11 +63,6 @@ def claim(limit: int) -> Executable:
     a high attempt number and could die early, and no later close would refund
     them. The reconciler makes them ready again, refunded, batch by batch.
     """
-    return lease_picked(ready_pick(limit))
-
-
-def ready_pick(limit: int) -> Any:
-    """The CTE `pick` of `claim`: up to `limit` ready rows of `:gid` it may lease."""
     br = t.breaker
     group_open = (
         select(br.c.group_id).where(br.c.group_id == bindparam("gid"), br.c.state == t.OPEN)
@@ -114,7 +72,7 @@ def ready_pick(limit: int) -> Any:
         for column in (br.c.reconcile_from_epoch, br.c.reconcile_epoch)
     )
     owed = charged_within(owed_from, owed_to)
-    return (
+    pick = (
         select(d.c.message_id)
         .where(d.c.group_id == bindparam("gid"), d.c.state == t.READY)
         .where(d.c.available_at <= func.now(), ~group_open, ~func.coalesce(owed, False))
@@ -123,6 +81,7 @@ def ready_pick(limit: int) -> Any:
         .with_for_update(skip_locked=True)
         .cte("pick")
     )
+    return lease_picked(pick)
 
 
 def _epoch() -> ColumnElement[Any]:
@@ -141,38 +100,30 @@ CLAIMED = (
 """The names of the columns a claim returns, in order (the store maps rows by them)."""
 
 
-def leasing(pick: Any) -> Any:
-    """The CTE `leased`: the rows of `pick` leased to `:member` for `:lease`, each
-    under its next token (the row's own `lease_seq` plus one; 0 means never claimed).
-    No sequence: Citus refuses a VOLATILE function (`nextval`) in an UPDATE of a
-    distributed table (0023, section 6). Returns message_id, lease_seq, attempts."""
-    return (
+def lease_picked(pick: Any) -> Executable:
+    """Lease the rows of the CTE `pick` (a `message_id` column) to `:member` for `:lease`.
+
+    Gives each row a fresh `lease_seq` token, so every claim is a new fence; returns
+    the rows with their messages, as `CLAIMED` names them. Each message is looked up
+    by its key, row by row (`OFFSET 0` keeps the planner from turning the lookups
+    into a scan of the whole message table: measured 3.5 of 8.2 ms per 100-row claim
+    at a 20,000 backlog on PostgreSQL 15). Payload and headers come as text:
+    json.loads on str is the C fast path (the driver's jsonb loader decodes bytes
+    through the slower pure-Python path).
+    """
+    leased = (
         update(d)
         .where(d.c.group_id == bindparam("gid"), d.c.message_id == pick.c.message_id)
         .values(
             state=t.LEASED,
             lease_owner=bindparam("member"),
-            lease_seq=d.c.lease_seq + literal_column("1"),
+            lease_seq=t.lease_token.next_value(),
             lease_expires_at=func.now() + bindparam("lease", type_=Interval),
             updated_at=func.now(),
         )
         .returning(d.c.message_id, d.c.lease_seq, d.c.attempts)
         .cte("leased")
     )
-
-
-def lease_picked(pick: Any) -> Executable:
-    """Lease the rows of the CTE `pick` (a `message_id` column) to `:member` for `:lease`.
-
-    Gives each row its next `lease_seq` token (`leasing`), so every claim is a new
-    fence for that row; returns the rows with their messages, as `CLAIMED` names
-    them. Each message is looked up by its key, row by row (`OFFSET 0` keeps the
-    planner from turning the lookups into a scan of the whole message table:
-    measured 3.5 of 8.2 ms per 100-row claim at a 20,000 backlog on PostgreSQL 15).
-    Payload and headers come as text: json.loads on str is the C fast path (the
-    driver's jsonb loader decodes bytes through the slower pure-Python path).
-    """
-    leased = leasing(pick)
     body = (
         select(
             m.c.key,

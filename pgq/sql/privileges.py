@@ -67,9 +67,7 @@ CONSUMER_TABLES: dict[str, tuple[str, ...]] = {
 """Table privileges a consumer member needs (besides USAGE on the schema)."""
 
 CONSUMER_SEQUENCES: dict[str, tuple[str, ...]] = {
-    # the lease tokens of members of earlier versions (nextval); today's claim counts
-    # per row, but such members may still run beside it during an upgrade
-    "lease_token": ("USAGE",),
+    "lease_token": ("USAGE",),  # a fresh lease token per claim (nextval)
 }
 """Sequence privileges a consumer member needs."""
 

@@ -20,8 +20,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from sqlalchemy import Engine, select, text
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy import Engine, text
 from sqlalchemy.sql import Executable
 
 import pgq
@@ -108,17 +107,8 @@ def is_router(lines: list[str]) -> bool:
 
 
 FENCE = {"member": "m1", "ids": [1, 2], "seqs": [7, 8]}
-CLAIM = {"member": "m1", "lease": 30 * SECOND}
 DRAIN = {"member": "m1", "ttl": 30 * SECOND, "wait": SECOND}
 JOIN = {"member": "m1", "host": "h", "pid": 1, "ttl": 30 * SECOND, "takeover": False}
-
-
-def claim_leases(limit: int) -> Executable:
-    """The lease part of the claim (`claim.claim` without the message lookup): with
-    `message` distributed by topic, the lookup is a join across co-location groups,
-    which 0023 section 4 splits off into a statement of its own."""
-    leased = claim.leasing(claim.ready_pick(limit))
-    return select(leased.c.message_id, leased.c.lease_seq).select_from(leased)
 
 
 def _xfail(reason: str) -> pytest.MarkDecorator:
@@ -137,7 +127,13 @@ STATEMENTS = [
         {"from_epoch": 0, "close_epoch": 2, "max_refunds": 3},
         id="reconcile-done",
     ),
-    pytest.param("claim_leases", lambda: claim_leases(100), CLAIM, id="claim-lease"),
+    pytest.param(
+        "claim",
+        lambda: claim.claim(100),
+        {"member": "m1", "lease": 30 * SECOND},
+        id="claim",
+        marks=_xfail("nextval() in an UPDATE"),
+    ),
     pytest.param(
         "record_failures",
         outcomes.record_failures,
@@ -219,36 +215,6 @@ def test_member_statements_read_one_shard(
     assert tasks(lines) == [1], "\n".join(lines)
     scans = subplan_scans(lines)
     assert all(re.search(r"on (pg_database|pg_lock_status)\b", scan) for scan in scans), scans
-
-
-def test_the_claim_leases_on_the_cluster_and_its_message_lookup_is_left():
-    """The claim's update runs on the cluster now that the token counts per row
-    (no `nextval`, 0023 section 6): its lease part is a router plan (above) and
-    leases the rows, each under the token after its own. The whole claim still
-    fails there: with `message` placed as `pgq init --distributed` places it (by
-    topic), reading the bodies in the same statement is a join Citus refuses
-    (0023 section 4, the claim split in two)."""
-    with distributed_schema() as (engine, gid):
-        params = {"gid": gid, **CLAIM}
-        with engine.begin() as conn:
-            first = conn.execute(claim_leases(2), params).all()
-            conn.execute(
-                text(
-                    f"UPDATE {schema_of(engine)}.delivery SET state = 'ready',"
-                    " lease_owner = NULL WHERE group_id = :gid AND message_id = 1"
-                ),
-                {"gid": gid},
-            )
-            again = conn.execute(claim_leases(1), params).all()
-        assert sorted(first) == [(1, 1), (2, 1)]
-        assert again == [(1, 2)]
-        with pytest.raises(DBAPIError, match="complex joins are only supported"):
-            with engine.begin() as conn:
-                conn.execute(claim.claim(2), params)
-
-
-def schema_of(engine: Engine) -> str:
-    return engine.get_execution_options()["schema_translate_map"][SCHEMA_PLACEHOLDER]
 
 
 def test_failures_run_each_due_after_its_own_delay(cluster: tuple[Engine, int]):
