@@ -36,6 +36,7 @@ __all__ = [
     "audit",
     "breaker_info",
     "check",
+    "check_and_split",
     "check_verdict",
     "dead",
     "dead_split",
@@ -336,9 +337,20 @@ def dead_split(
     """`{"dead", "pending", "real"}`: the dead rows of `group`, those a coming or owed
     reconciliation will refund (`pending`, as `check` counts them) and the rest
     (`real` dead letters). Raises like `check`."""
-    _, dead_row = inspect.check_rows(engine, group, max_refunds)
+    return _split(inspect.check_rows(engine, group, max_refunds)[1])
+
+
+def _split(dead_row: Any) -> dict[str, int]:
     dead, pending = int(dead_row.dead), int(dead_row.pending)
     return {"dead": dead, "pending": pending, "real": dead - pending}
+
+
+def check_and_split(
+    engine: Engine, group: str, max_refunds: int = DEFAULT_MAX_REFUNDS
+) -> tuple[str, str, dict[str, int]]:
+    """`check` and `dead_split` of `group` from one read (the dashboard's group page)."""
+    row, dead_row = inspect.check_rows(engine, group, max_refunds)
+    return (*_verdict(row, dead_row), _split(dead_row))
 
 
 def check(engine: Engine, group: str, max_refunds: int = DEFAULT_MAX_REFUNDS) -> tuple[str, str]:
@@ -359,7 +371,10 @@ def check(engine: Engine, group: str, max_refunds: int = DEFAULT_MAX_REFUNDS) ->
     Raises `UnknownGroup`, `DatabaseUnavailable`, `SchemaMissing`, ... like
     the other functions here; the CLI turns those into `UNKNOWN` (exit 3).
     """
-    row, dead_row = inspect.check_rows(engine, group, max_refunds)
+    return _verdict(*inspect.check_rows(engine, group, max_refunds))
+
+
+def _verdict(row: Any, dead_row: Any) -> tuple[str, str]:
     return check_verdict(
         state=row.state,
         epoch=int(row.epoch),

@@ -2,7 +2,7 @@
 
 No statement of its own: the overview is `status_all` (plus the pending/real
 split of `check` for groups with dead rows), the group page `status`,
-`breaker_info`, `dead`, `check` and `audit`, the message page `message`.
+`breaker_info`, `dead`, `check` with its dead split and `audit`, the message page `message`.
 `Dashboard` also keeps the charts' `History`, fed by the sampler thread and
 by every overview it reads.
 
@@ -191,7 +191,7 @@ class Dashboard:
             engine, name, history_limit=HISTORY_LIMIT, probe_limit=PROBE_LIMIT
         )
         dead = monitor.dead(engine, name, limit=DEAD_LIMIT, error_class=error_class)
-        word, line = monitor.check(engine, name, self.options.max_refunds)
+        word, line, split = monitor.check_and_split(engine, name, self.options.max_refunds)
         now = self._now(engine)
         return {
             "status": status,
@@ -202,7 +202,7 @@ class Dashboard:
             "probe_limit": PROBE_LIMIT,
             "dead": dead,
             "dead_limit": DEAD_LIMIT,
-            "dead_split": monitor.dead_split(engine, name, self.options.max_refunds),
+            "dead_split": split,
             "error_class": error_class,
             "check": {"state": word, "line": line},
             "audit": monitor.audit(engine, name, limit=AUDIT_LIMIT),
