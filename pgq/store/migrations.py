@@ -19,6 +19,7 @@ from pgq import schema as t
 from pgq.errors import PgqError, UsageError
 from pgq.sql import placement as place
 from pgq.sql.locks import lock_key, xact_lock
+from pgq.store import placement
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
 from pgq.store.privileges import carry_grants_to_probe_log
@@ -86,6 +87,7 @@ def migrate(engine: Engine, *, distributed: bool = False) -> int:
         version = _upgrade(conn, schema)
         if distributed:
             _distribute(conn, schema)
+    placement.forget(engine)  # placed now: ask again
     return version
 
 
