@@ -85,6 +85,7 @@ RESERVED_ENV_VARS: frozenset[str] = frozenset(
         "PGQ_CONFIG",
         "PGQ_TEST_DSN",
         "PGQ_CITUS_DSN",
+        "PGQ_TEST_DISTRIBUTED",
         "PGQ_LOG_LEVEL",
         "PGQ_LOG_FORMAT",
         "PGQ_WEB_TOKEN",
