@@ -23,7 +23,13 @@ the topic and every published id the group must have (see `expected`):
 - no delivery row exists without its message (**orphans**, any group of the schema);
 - no row is leased by a member that is not live, past its lease's expiry;
 - `pgq status GROUP --json` agrees with the logs: `done` = the ids handled and not
-  dead, `dead` = the dead rows, and after the drain nothing ready, leased or lagging.
+  dead, `dead` = the dead rows, and after the drain nothing ready, leased or lagging;
+- with `frontier=` a `chaos.frontier.FrontierWatch` that sampled the run: no
+  group's frontier ever passed a ready or leased row, nor moved back.
+
+On a Citus schema (`pgq init --distributed`) the checker reads the same things
+with statements Citus can run: orphans are found by comparing the two tables'
+ids (`delivery` and `message` are not co-located), not by a join.
 
 Which ids a group must have: every published id, except, for a group a driver
 subscribed (`start="earliest"`), an id whose publish had committed before the
@@ -52,8 +58,10 @@ from sqlalchemy import Engine, select
 
 import pgq
 from pgq import schema as t
+from pgq.store import placement
 
 from .drivers import Published, Record
+from .frontier import FrontierWatch
 
 REPORTS: list[str] = []
 """Reports a test wants shown at the end of the pytest run (`publish`)."""
@@ -183,6 +191,7 @@ class Summary:
     orphans: list[str] = field(default_factory=list)
     stale_leases: list[str] = field(default_factory=list)
     status_mismatch: list[str] = field(default_factory=list)
+    frontier: list[str] = field(default_factory=list)  # passed an unresolved row, moved back
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -220,6 +229,7 @@ class Summary:
             ("orphan delivery rows", self.orphans),
             ("stale leases", self.stale_leases),
             ("status mismatches", self.status_mismatch),
+            ("frontier passed an unresolved message (or moved back)", self.frontier),
             ("notes", self.notes),
         ):
             if items:
@@ -267,6 +277,8 @@ def _rows(engine: Engine, topic: str) -> dict[str, dict[int, Any]]:
 def orphan_rows(engine: Engine) -> list[tuple[str, int, str]]:
     """Delivery rows (any group of the schema) whose message does not exist."""
     d, g, m = t.delivery, t.consumer_group, t.message
+    if placement.distributed(engine):
+        return _orphan_rows_apart(engine)
     with engine.connect() as conn:
         return [
             (r.name, int(r.message_id), r.state)
@@ -277,6 +289,21 @@ def orphan_rows(engine: Engine) -> list[tuple[str, int, str]]:
                 .order_by(d.c.message_id)
             )
         ]
+
+
+def _orphan_rows_apart(engine: Engine) -> list[tuple[str, int, str]]:
+    """`orphan_rows` without joining `delivery` to `message` (on Citus they are not
+    co-located): both tables' ids in one transaction, compared here."""
+    d, g, m = t.delivery, t.consumer_group, t.message
+    with engine.begin() as conn:
+        conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        messages = set(conn.execute(select(m.c.id)).scalars())
+        rows = conn.execute(
+            select(g.c.name, d.c.message_id, d.c.state)
+            .join(g, g.c.id == d.c.group_id)
+            .order_by(d.c.message_id)
+        ).all()
+    return [(r.name, int(r.message_id), r.state) for r in rows if r.message_id not in messages]
 
 
 def stale_leases(engine: Engine, group: str, member_ttl: float) -> list[str]:
@@ -388,13 +415,15 @@ def check(
     member_ttl: float = 1.0,
     cli_env: Mapping[str, str] | None = None,
     settled: bool = True,
+    frontier: FrontierWatch | None = None,
 ) -> Summary:
     """Check the history of `topic` (see the module docstring); never raises on a
     finding, returns them in the `Summary`.
 
     `published`: ids published besides those in `record`. `cli_env`: run the real
     `pgq status --json` with it (else `pgq.status` in-process). `settled`: the run
-    has been drained, so nothing may be ready, leased or lagging.
+    has been drained, so nothing may be ready, leased or lagging. `frontier`: a
+    watch that sampled the run (stopped by now); its findings join the verdict.
     """
     pubs: dict[int, Published | None] = {}
     if record is not None:
@@ -525,6 +554,13 @@ def check(
         summary.stale_leases += stale_leases(engine, group, member_ttl)
 
     summary.orphans = [f"{g} {mid} {state}" for g, mid, state in orphan_rows(engine)]
+    if frontier is not None:
+        summary.frontier = frontier.violations + frontier.moved_back
+        summary.notes.append(frontier.describe())
+        if frontier.errors:
+            summary.problems.append(f"the frontier watch failed: {frontier.errors[:3]}")
+        elif not frontier.samples:
+            summary.problems.append("the frontier watch took no sample")
 
     if summary.lost:
         summary.problems.append(f"{len(summary.lost)} deliveries lost")
@@ -536,4 +572,8 @@ def check(
         summary.problems.append(f"{len(summary.stale_leases)} stale leases")
     if summary.status_mismatch:
         summary.problems.append(f"{len(summary.status_mismatch)} status mismatches")
+    if summary.frontier:
+        summary.problems.append(
+            f"{len(summary.frontier)} frontier samples passed an unresolved message or moved back"
+        )
     return summary
