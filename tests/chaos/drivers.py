@@ -149,12 +149,17 @@ def retention_pass(
 
     The same two statements as `GroupStore.expire_messages` (the topic lock, then
     the delete), kept here because the checker needs the ids, not only a count.
+    On a Citus schema retention takes other steps (decision 0023): there it is
+    `GroupStore.expire_messages` itself, and the ids are the ones gone after it.
     """
     import datetime as dt
 
     from pgq.sql.frontier import delete_expired_messages, lock_topic_for_retention
+    from pgq.store import placement
 
     tid = topic_id(engine, topic)
+    if placement.distributed(engine):
+        return _retention_pass_by_store(engine, topic, tid, retention, batch, max_batches)
     deleted: list[int] = []
     for _ in range(max_batches):
         with engine.begin() as conn:
@@ -168,6 +173,24 @@ def retention_pass(
         if len(ids) < batch:
             break
     return deleted
+
+
+def _retention_pass_by_store(
+    engine: Engine, topic: str, tid: int, retention: float, batch: int, max_batches: int
+) -> list[int]:
+    """`retention_pass` through the member's own retention (`GroupStore.expire_messages`);
+    the deleted ids are those present before and gone after (a member's maintenance
+    deleting meanwhile adds its ids)."""
+    from pgq.store.group import GroupStore
+
+    store = GroupStore(0, "", topic, "chaos-retention", 1.0, 1, topic_id=tid)
+    before = message_ids(engine, topic)
+    for _ in range(max_batches):
+        with engine.begin() as conn:
+            count = store.expire_messages(conn, tid, retention, batch)
+        if count < batch:
+            break
+    return sorted(before - message_ids(engine, topic))
 
 
 class Drivers:
