@@ -94,13 +94,13 @@ def _member(row: Any) -> dict[str, Any]:
     }
 
 
-def _breaker(row: Any) -> dict[str, Any]:
+def _breaker(row: Any, prober: str | None) -> dict[str, Any]:
     state = row.breaker_state
     return {
         "state": state,
         "since": iso(row.breaker_since),
         # only an open group has a prober; a name left behind after a close is stale
-        "prober": row.breaker_prober if state == "OPEN" else None,
+        "prober": prober if state == "OPEN" else None,
         "epoch": int(row.breaker_epoch),
         "next_probe_at": iso(row.breaker_next_probe_at) if state == "OPEN" else None,
         # a close's refunds still owed: its dead rows are not all dead letters yet
@@ -151,7 +151,7 @@ def _group(rows: inspect.GroupRows) -> dict[str, Any]:
             "refunded": int(row.refunded_total),
         },
         "lag": c["ready"] + c["leased"],
-        "breaker": _breaker(row),
+        "breaker": _breaker(row, rows.prober),
         "members": [_member(m) for m in rows.members],
         "frontier_held_by": _holder(rows.holder),
     }
@@ -221,7 +221,7 @@ def breaker_info(
     `succeeded` (plus its `error_class`). Read from one snapshot.
     """
     rows = inspect.breaker_rows(engine, group, history_limit, probe_limit)
-    info = _breaker(rows.row)
+    info = _breaker(rows.row, rows.prober)
     info["history"] = [
         {
             "epoch": h.epoch,

@@ -56,7 +56,7 @@ class RunSummary:
 
 
 class Lease(NamedTuple):
-    """What fences a held row: the message and this claim's unique token (a tuple:
+    """What fences a held row: the message and its claim's token (a tuple:
     made and hashed per row on the hot path, several times per message)."""
 
     id: int

@@ -107,8 +107,10 @@ consumer_group = Table(
 )
 
 lease_token = Sequence("lease_token", metadata=metadata, cache=100)
-"""Lease tokens: unique across all rows and claims, so a set of tokens names a set
-of leases exactly (`lease_seq = ANY(:seqs)` needs no per-row pairing)."""
+"""Where lease tokens come from (decision 0004): a member draws a value v once and
+gives its claims the tokens -(v * 2^20 + k), k = 0, 1, … (a new v after 2^20
+claims). Members of earlier versions drew a positive value per row in the claim
+(`nextval`), and may still run during an upgrade: the two never meet."""
 
 delivery = Table(
     "delivery",
@@ -124,7 +126,8 @@ delivery = Table(
     Column("refundable_reclaims", Integer, nullable=False, server_default=text("0")),
     Column("refunds", Integer, nullable=False, server_default=text("0")),
     Column("lease_owner", Text),
-    # a fresh token from `lease_token` on every claim: outcomes are fenced on it
+    # the token of the row's last claim (0: never claimed); outcomes are fenced on
+    # (message_id, lease_seq)
     Column("lease_seq", BigInteger, nullable=False, server_default=text("0")),
     Column("lease_expires_at", _tstz()),
     Column("error_class", Text),

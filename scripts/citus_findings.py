@@ -20,7 +20,6 @@ import re
 from typing import Any
 
 import psycopg
-from sqlalchemy import literal, select
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.sql import Executable
 
@@ -234,17 +233,33 @@ def main() -> None:
         members.heartbeat(),
         {"gid": 1, "member": member, "started": started, "local": "closed", "tripped_epoch": None},
     )
+    holders = r.run(
+        "members.holding (liveness, on the coordinator)",
+        members.holding(""),
+        {"gids": [1], "names": [member], "table": "pgq.member"},
+    )
+    present = {
+        "present_gids": [row[0] for row in holders or []],
+        "present_names": [row[1] for row in holders or []],
+    }
     r.run(
         "members.drain_state",
         members.drain_state(),
-        {"gid": 1, "member": member, "wait": 0 * SECOND, "ttl": ttl},
+        {"gid": 1, "member": member, "wait": 0 * SECOND, "ttl": ttl, **present},
     )
-    r.run("members.forget_departed", members.forget_departed(), {"gid": 1, "after": 3600 * SECOND})
+    r.run(
+        "members.forget_departed",
+        members.forget_departed(),
+        {"gid": 1, "after": 3600 * SECOND, **present},
+    )
 
     print("== claim path")
     leased = r.run(
-        "claim.claim(10)", claim.claim(10), {"gid": 1, "member": member, "lease": 30 * SECOND}
+        "claim.claim(10, bodies=False)",
+        claim.claim(10, bodies=False),
+        {"gid": 1, "member": member, "lease": 30 * SECOND, "token": -(1 << 20)},
     )
+    r.run("claim.message_bodies", claim.message_bodies(), {"topic_id": 1, "ids": [1, 2]})
     if not leased:
         print("     (leasing rows by hand, with tokens from the sequence on the coordinator)")
         leased = r.run(
@@ -322,7 +337,10 @@ def main() -> None:
     r.run(
         "breaker.open_on_quorum",
         breaker.open_on_quorum(),
-        {"gid": 1, "at_epoch": 0, "min_members": 1, "quorum": 0.5, "ttl": ttl, "member": member},
+        {
+            **{"gid": 1, "at_epoch": 0, "min_members": 1, "quorum": 0.5},
+            **{"ttl": ttl, "member": member, **present},
+        },
     )
     epoch_rows = r.run("breaker.state (after open)", breaker.state(), {"gid": 1})
     epoch = epoch_rows[0][1] if epoch_rows else 0
@@ -336,16 +354,24 @@ def main() -> None:
         epoch = 1
     at = {"gid": 1, "at_epoch": epoch}
     r.run("breaker.set_prober", breaker.set_prober(), {"gid": 1, "member": member})
-    r.run("breaker.mark_prober", breaker.mark_prober(), {"gid": 1, "member": member})
-    r.run("breaker.prober_of (status)", select(breaker.prober_of(literal(1))), {})
+    r.run(
+        "breaker.mark_prober",
+        breaker.mark_prober(),
+        {"gid": 1, "member": member, "table": "pgq.member"},
+    )
+    r.run(
+        "members.holding (the prober, for status)",
+        members.holding("prober"),
+        {"gids": [1], "names": [member], "table": "pgq.member"},
+    )
     r.run("breaker.probe_slot", breaker.probe_slot(), at)
     r.run("breaker.reserve_probe", breaker.reserve_probe(), {**at, "hold": 30 * SECOND})
     probe = None
     for kind in breaker.PROBE_KINDS:
         got = r.run(
-            f"breaker.claim_probe({kind}, False)",
-            breaker.claim_probe(kind, False),
-            {**at, "member": member, "lease": 30 * SECOND, "max_refunds": 3},
+            f"breaker.claim_probe({kind}, False, bodies=False)",
+            breaker.claim_probe(kind, False, bodies=False),
+            {**at, "member": member, "lease": 30 * SECOND, "max_refunds": 3, "token": -(2 << 20)},
         )
         probe = probe or (got[0] if got else None)
     logged = {"member": member, "probe_id": probe[0] if probe else 1}

@@ -34,8 +34,8 @@ from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
 from pgq.sql.claim import lease_picked
-from pgq.sql.locks import advisory_held, pg_locks
-from pgq.sql.members import member_live, row_key
+from pgq.sql.locks import pg_locks
+from pgq.sql.members import member_key, member_live
 from pgq.sql.refunds import carries_charges, charged_within
 
 br, hist, mb, d, g = t.breaker, t.breaker_history, t.member, t.delivery, t.consumer_group
@@ -158,24 +158,11 @@ def set_prober() -> Executable:
 
 @cache
 def mark_prober() -> Executable:
-    """Take `:member`'s prober lock (`row_key("prober")`) in this session: run on the session
-    that holds the probe lock, it names the prober for as long as that session lives."""
-    return select(func.pg_try_advisory_lock(row_key("prober"))).where(
-        mb.c.group_id == bindparam("gid"), mb.c.name == bindparam("member")
-    )
-
-
-def prober_of(gid: ColumnElement[Any]) -> Any:
-    """The member of group `gid` whose prober lock some session holds (pg_locks), if any:
-    the prober right now, and no one once its lock session is gone."""
-    held = advisory_held(row_key("prober"))
-    return (
-        select(mb.c.name)
-        .where(mb.c.group_id == gid, held)
-        .order_by(mb.c.name)
-        .limit(1)
-        .scalar_subquery()
-    )
+    """Take `:member`'s prober lock in `:gid` in this session: run on the session that
+    holds the probe lock, it names the prober for as long as that session lives. Over
+    no table, so on Citus it runs on the coordinator with the session's other locks."""
+    gid, member = bindparam("gid", type_=Integer), bindparam("member", type_=Text)
+    return select(func.pg_try_advisory_lock(member_key(gid, member, "prober")))
 
 
 @cache
@@ -319,14 +306,15 @@ def _probed_here() -> ColumnElement[bool]:
 
 
 @cache
-def claim_probe(kind: str, probed: bool) -> Executable:
+def claim_probe(kind: str, probed: bool, bodies: bool = True) -> Executable:
     """Lease one probe row of `kind` (see `PROBE_KINDS`) to `:member` for `:lease`.
 
     `probed` False takes the rows not yet probed in the outage at `:at_epoch`
     (in the kind's natural order); True those already probed, least recently
     probed first. Tried in that order per kind, the probes rotate: one row whose
     handler fails for itself alone cannot be every probe. Dead rows qualify only
-    while refunded fewer than `:max_refunds` times.
+    while refunded fewer than `:max_refunds` times. `bodies`: see
+    `pgq.sql.claim.lease_picked`.
     """
     ready = d.c.state == t.READY
     now = func.now()
@@ -361,7 +349,7 @@ def claim_probe(kind: str, probed: bool) -> Executable:
         .with_for_update(skip_locked=True)
         .cte("pick")
     )
-    return lease_picked(pick)
+    return lease_picked(pick, bodies)
 
 
 @cache

@@ -21,6 +21,7 @@ from sqlalchemy import (
     or_,
     select,
     true,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
@@ -32,21 +33,57 @@ from pgq.sql.refunds import charged_within
 d, m = t.delivery, t.message
 
 
-def fenced() -> ColumnElement[bool]:
-    """Rows of `:gid` named by `:ids` whose lease is still one of `:seqs` held by
-    `:member`: the lease fence. Tokens are unique across rows and claims, so
-    `lease_seq = ANY(:seqs)` matches exactly the leases named, and
-    `message_id = ANY(:ids)` makes the plan a primary-key lookup per row."""
+def held_by(owner: ColumnElement[bool]) -> ColumnElement[bool]:
+    """Rows of `:gid` named by `:ids` whose lease owner is as `owner` says:
+    `message_id = ANY(:ids)` makes the plan a primary-key lookup per named row,
+    whatever else the statement joins."""
     return and_(
         d.c.group_id == bindparam("gid"),
         d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
-        d.c.lease_seq == any_(bindparam("seqs", type_=ARRAY(BigInteger))),
-        d.c.lease_owner == bindparam("member"),
+        owner,
     )
 
 
+def named_leases() -> Any:
+    """`unnest(:ids, :seqs)` as rows (message_id, seq): the leases a statement names,
+    each message with its own token."""
+    return (
+        func.unnest(
+            bindparam("ids", type_=ARRAY(BigInteger)),
+            bindparam("seqs", type_=ARRAY(BigInteger)),
+        )
+        .table_valued("message_id", "seq")
+        .render_derived()
+    )
+
+
+def pairwise() -> ColumnElement[bool]:
+    """The row's (message_id, lease_seq) is one of the pairs of `:ids`/`:seqs`.
+
+    A claim gives all its rows one token, so the same token is current on several
+    rows: `lease_seq = ANY(:seqs)` would let a stale outcome (X, t1) pass against a
+    newer lease (X, t2) of the same member whenever another row of the batch came
+    with X in claim t2. So each id is matched with its own token.
+
+    `IS TRUE` keeps the test a filter on the primary-key lookups of `held_by`, with
+    the pairs in a hash built once per statement (`hashed SubPlan`): as a bare
+    `IN` PostgreSQL makes it a semi-join, and for 100-row batches it chose a nested
+    loop comparing every row with every pair (O(batch²), measured 0.69 ms against
+    0.25 ms hashed; `lease_seq = ANY(:seqs)` was 0.65 ms, a scan of the array per
+    row)."""
+    leases = named_leases()
+    pairs = select(leases.c.message_id, leases.c.seq)
+    return tuple_(d.c.message_id, d.c.lease_seq).in_(pairs).is_(true())
+
+
+def fenced() -> ColumnElement[bool]:
+    """Rows of `:gid` whose lease is still one of the pairs `:ids`/`:seqs` held by
+    `:member`: the lease fence (decision 0004)."""
+    return and_(held_by(d.c.lease_owner == bindparam("member")), pairwise())
+
+
 @cache
-def claim(limit: int) -> Executable:
+def claim(limit: int, bodies: bool = True) -> Executable:
     """Lease up to `limit` ready rows of `:gid` to `:member` for `:lease`.
 
     `limit` is written into the statement, not bound: a prepared statement's
@@ -62,7 +99,13 @@ def claim(limit: int) -> Executable:
     refund (charged within the owed epochs): run first, they would run at
     a high attempt number and could die early, and no later close would refund
     them. The reconciler makes them ready again, refunded, batch by batch.
+    `bodies`: see `lease_picked`.
     """
+    return lease_picked(ready_pick(limit), bodies)
+
+
+def ready_pick(limit: int) -> Any:
+    """The CTE `pick` of `claim`: up to `limit` ready rows of `:gid` it may lease."""
     br = t.breaker
     group_open = (
         select(br.c.group_id).where(br.c.group_id == bindparam("gid"), br.c.state == t.OPEN)
@@ -72,7 +115,7 @@ def claim(limit: int) -> Executable:
         for column in (br.c.reconcile_from_epoch, br.c.reconcile_epoch)
     )
     owed = charged_within(owed_from, owed_to)
-    pick = (
+    return (
         select(d.c.message_id)
         .where(d.c.group_id == bindparam("gid"), d.c.state == t.READY)
         .where(d.c.available_at <= func.now(), ~group_open, ~func.coalesce(owed, False))
@@ -81,7 +124,6 @@ def claim(limit: int) -> Executable:
         .with_for_update(skip_locked=True)
         .cte("pick")
     )
-    return lease_picked(pick)
 
 
 def _epoch() -> ColumnElement[Any]:
@@ -100,37 +142,80 @@ CLAIMED = (
 """The names of the columns a claim returns, in order (the store maps rows by them)."""
 
 
-def lease_picked(pick: Any) -> Executable:
-    """Lease the rows of the CTE `pick` (a `message_id` column) to `:member` for `:lease`.
+@cache
+def token_block() -> Executable:
+    """A new block of lease tokens for a member (`pgq.store.group.LeaseTokens`)."""
+    return select(t.lease_token.next_value())
 
-    Gives each row a fresh `lease_seq` token, so every claim is a new fence; returns
-    the rows with their messages, as `CLAIMED` names them. Each message is looked up
-    by its key, row by row (`OFFSET 0` keeps the planner from turning the lookups
-    into a scan of the whole message table: measured 3.5 of 8.2 ms per 100-row claim
-    at a 20,000 backlog on PostgreSQL 15). Payload and headers come as text:
-    json.loads on str is the C fast path (the driver's jsonb loader decodes bytes
-    through the slower pure-Python path).
-    """
-    leased = (
+
+LEASED = ("message_id", "lease_seq", "attempts", "epoch")
+"""The columns of a claim without its messages (`lease_picked(..., bodies=False)`)."""
+
+
+@cache
+def message_bodies() -> Executable:
+    """The messages `:ids` of topic `:topic_id`: id, then what `CLAIMED` takes from a
+    message. The second statement of a claim on Citus (`lease_picked`), routed to
+    the topic's shard by `:topic_id`."""
+    return select(m.c.id, *_body_columns()).where(
+        m.c.topic_id == bindparam("topic_id", type_=Integer),
+        m.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
+    )
+
+
+def leasing(pick: Any) -> Any:
+    """The CTE `leased`: the rows of `pick` leased to `:member` for `:lease` under the
+    claim's token `:token` (the member's, decision 0004: negative, never used by
+    another claim). Bound, not `nextval()` here: Citus refuses a VOLATILE function
+    in an UPDATE of a distributed table (0023, section 6). Returns message_id,
+    lease_seq, attempts."""
+    return (
         update(d)
         .where(d.c.group_id == bindparam("gid"), d.c.message_id == pick.c.message_id)
         .values(
             state=t.LEASED,
             lease_owner=bindparam("member"),
-            lease_seq=t.lease_token.next_value(),
+            lease_seq=bindparam("token", type_=BigInteger),
             lease_expires_at=func.now() + bindparam("lease", type_=Interval),
             updated_at=func.now(),
         )
         .returning(d.c.message_id, d.c.lease_seq, d.c.attempts)
         .cte("leased")
     )
+
+
+def _body_columns() -> tuple[Any, ...]:
+    """A message's key, payload, headers and creation time, as a claim returns them.
+    Payload and headers come as text: json.loads on str is the C fast path (the
+    driver's jsonb loader decodes bytes through the slower pure-Python path)."""
+    return (
+        m.c.key,
+        cast(m.c.payload, Text).label("payload"),
+        cast(m.c.headers, Text).label("headers"),
+        m.c.created_at,
+    )
+
+
+def lease_picked(pick: Any, bodies: bool = True) -> Executable:
+    """Lease the rows of the CTE `pick` (a `message_id` column) to `:member` for `:lease`.
+
+    Gives the rows the claim's `:token` (`leasing`), so every claim is a new fence;
+    returns the rows with their messages, as `CLAIMED` names them. Each message is
+    looked up by its key, row by row (`OFFSET 0` keeps the planner from turning the
+    lookups into a scan of the whole message table: measured 3.5 of 8.2 ms per
+    100-row claim at a 20,000 backlog on PostgreSQL 15).
+
+    Without `bodies` the rows come without their messages (`LEASED` names the
+    columns), for `message_bodies` to read next: on Citus a group's rows and its
+    topic's messages are on different shards, and a statement joining them is not
+    routed to one node (0023, section 4).
+    """
+    leased = leasing(pick)
+    if not bodies:
+        leases = (leased.c.message_id, leased.c.lease_seq, leased.c.attempts)
+        return select(*leases, _epoch().label("epoch"))
     body = (
-        select(
-            m.c.key,
-            cast(m.c.payload, Text).label("payload"),
-            cast(m.c.headers, Text).label("headers"),
-            m.c.created_at,
-        )
+        select(*_body_columns())
         .where(m.c.id == leased.c.message_id)
         .offset(literal_column("0"))
         .lateral("body")

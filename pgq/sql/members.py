@@ -20,9 +20,11 @@ from sqlalchemy import (
     literal_column,
     or_,
     select,
+    true,
+    tuple_,
     update,
 )
-from sqlalchemy.dialects.postgresql import OID
+from sqlalchemy.dialects.postgresql import ARRAY, OID
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql import ColumnElement, Executable
 
@@ -40,30 +42,74 @@ def _key(
     return func.hashtextextended(text + cast(gid, Text) + literal(":") + name, 0)
 
 
-def row_key(purpose: str = "") -> ColumnElement[int]:
-    """The advisory lock key of the member row at hand for `purpose` ("" the member's
-    session lock, "prober" the elected prober's name lock): a hash of the member
-    table's oid (one per schema and database), the group and the name, computed
-    where the row is, so no key is stored."""
-    return _key(literal_column(f"{mb.name}.tableoid"), mb.c.group_id, mb.c.name, purpose)
+def member_key(gid: ColumnElement[Any], name: ColumnElement[Any], purpose: str) -> Any:
+    """The advisory lock key of member `name` of group `gid` for `purpose` ("" the
+    member's session lock, "prober" the elected prober's name lock): a hash of the
+    member table's oid (`:table`, the schema-qualified name: one per schema and
+    database), the group and the name, so no key is stored."""
+    table_oid = cast(func.to_regclass(bindparam("table", type_=Text)), OID)
+    return _key(table_oid, gid, name, purpose)
 
 
 def session_key_for() -> ColumnElement[int]:
-    """`row_key()` of member `:member` in group `:gid` of member table `:table`
-    (the schema-qualified name), without reading the row."""
-    table_oid = cast(func.to_regclass(bindparam("table", type_=Text)), OID)
-    return _key(table_oid, bindparam("gid", type_=Integer), bindparam("member", type_=Text), "")
+    """The session lock key of member `:member` in group `:gid`."""
+    return member_key(bindparam("gid", type_=Integer), bindparam("member", type_=Text), "")
+
+
+HOLDERS = {"": "present", "prober": "prober"}
+"""The parameter prefix (`:present_gids`/`:present_names`) under which a statement
+takes the members holding each kind of lock (`holding`)."""
+
+
+@cache
+def member_names(every_group: bool) -> Executable:
+    """(group_id, name) of every member row of `:gid`, or of every group."""
+    stmt = select(mb.c.group_id, mb.c.name)
+    return stmt if every_group else stmt.where(mb.c.group_id == bindparam("gid"))
+
+
+@cache
+def holding(purpose: str) -> Executable:
+    """Of the members `:gids`/`:names` (pairs), those whose `purpose` lock some session
+    of this database holds (`pg_locks`): (group_id, name) rows.
+
+    A statement of its own, over no table of pgq's: members take their locks on the
+    session they connect (on Citus, the coordinator), and a test of `pg_locks` inside
+    a statement over `member` would run where the group's shard is (0023, 3.1). The
+    statements that need liveness take the answer as parameters (`holds`)."""
+    pairs = _pairs("gids", "names")
+    return select(pairs.c.group_id, pairs.c.name).where(
+        advisory_held(member_key(pairs.c.group_id, pairs.c.name, purpose))
+    )
+
+
+def _pairs(gids: str, names: str) -> Any:
+    return (
+        func.unnest(bindparam(gids, type_=ARRAY(Integer)), bindparam(names, type_=ARRAY(Text)))
+        .table_valued("group_id", "name")
+        .render_derived()
+    )
+
+
+def holds(purpose: str = "") -> ColumnElement[bool]:
+    """The member row at hand holds its `purpose` lock: it is one of the pairs
+    `holding(purpose)` found, passed as `:<prefix>_gids`/`:<prefix>_names`
+    (`HOLDERS`). `IS TRUE` keeps the pairs a hashed subplan (see `claim.pairwise`)."""
+    prefix = HOLDERS[purpose]
+    pairs = _pairs(f"{prefix}_gids", f"{prefix}_names")
+    found = select(pairs.c.group_id, pairs.c.name)
+    return tuple_(mb.c.group_id, mb.c.name).in_(found).is_(true())
 
 
 def session_present() -> ColumnElement[bool]:
-    """Some session of this database holds the member row's session lock (`pg_locks`):
-    the member's process is still connected. `kill -9` ends it at once."""
-    return advisory_held(row_key())
+    """Some session of this database holds the member row's session lock: the
+    member's process is still connected (`kill -9` ends it at once)."""
+    return holds("")
 
 
 def member_live(ttl: ColumnElement[Any] | None = None) -> ColumnElement[bool]:
     """A member row is live (DESIGN §6.2): not left, heard from within `ttl` (default
-    the `:ttl` interval parameter), and its session is still there."""
+    the `:ttl` interval parameter), and its session is still there (`holds`)."""
     if ttl is None:
         ttl = bindparam("ttl", type_=Interval)
     return and_(_fresh(ttl), session_present())

@@ -19,7 +19,6 @@ from sqlalchemy import (
     Float,
     Integer,
     Text,
-    any_,
     bindparam,
     case,
     func,
@@ -32,7 +31,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
-from pgq.sql.claim import fenced
+from pgq.sql.claim import fenced, held_by, pairwise
 
 d = t.delivery
 
@@ -89,7 +88,11 @@ def record_failures() -> Executable:
     systemic = o.c["class"] == t.SYSTEMIC
     return (
         update(d)
-        .where(fenced(), d.c.message_id == o.c.message_id, d.c.lease_seq == o.c.seq)
+        .where(
+            held_by(d.c.lease_owner == bindparam("member")),
+            d.c.message_id == o.c.message_id,
+            d.c.lease_seq == o.c.seq,  # the join on the input pairs is the fence
+        )
         .values(
             state=o.c.state,
             attempts=d.c.attempts + o.c.charge,
@@ -129,13 +132,10 @@ def _available_at() -> ColumnElement[Any]:
 @cache
 def settled() -> Executable:
     """The rows of the leases `:ids`/`:seqs` of `:gid` that are no longer leased but
-    still carry those lease tokens (tokens are unique: only the holder's outcome or
-    an expiry sweep could have ended them): their state and attempts, from which the
-    caller tells its own outcome, written by a statement whose answer was lost, from
-    a reclaim."""
+    still carry those lease tokens (each pair matched, a row's tokens only grow: only
+    the holder's outcome or an expiry sweep could have ended them): their state and
+    attempts, from which the caller tells its own outcome, written by a statement
+    whose answer was lost, from a reclaim."""
     return select(d.c.message_id, d.c.lease_seq, d.c.state, d.c.attempts).where(
-        d.c.group_id == bindparam("gid"),
-        d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
-        d.c.lease_seq == any_(bindparam("seqs", type_=ARRAY(BigInteger))),
-        d.c.lease_owner.is_(None),
+        held_by(d.c.lease_owner.is_(None)), pairwise()
     )

@@ -67,7 +67,7 @@ CONSUMER_TABLES: dict[str, tuple[str, ...]] = {
 """Table privileges a consumer member needs (besides USAGE on the schema)."""
 
 CONSUMER_SEQUENCES: dict[str, tuple[str, ...]] = {
-    "lease_token": ("USAGE",),  # a fresh lease token per claim (nextval)
+    "lease_token": ("USAGE",),  # a block of lease tokens per member (nextval)
 }
 """Sequence privileges a consumer member needs."""
 

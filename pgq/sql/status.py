@@ -26,7 +26,6 @@ from sqlalchemy import (
 from sqlalchemy.sql import ColumnElement, Select
 
 from pgq import schema as t
-from pgq.sql.breaker import prober_of
 from pgq.sql.members import departed_at, member_live
 
 
@@ -73,9 +72,6 @@ def _groups() -> Select[Any]:
         func.coalesce(b.c.state, "CLOSED").label("breaker_state"),
         func.coalesce(b.c.since, g.c.created_at).label("breaker_since"),
         func.coalesce(b.c.epoch, 0).label("breaker_epoch"),
-        # the member whose prober lock a session holds now (pg_locks), not a stored
-        # name: a prober whose lock session is gone is named no more
-        prober_of(g.c.id).label("breaker_prober"),
         b.c.next_probe_at.label("breaker_next_probe_at"),
         b.c.reconcile_epoch.label("breaker_reconcile_epoch"),
     ).select_from(g.join(tp, tp.c.id == g.c.topic_id).outerjoin(b, b.c.group_id == g.c.id))

@@ -12,12 +12,16 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from decimal import Decimal
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection
+from sqlalchemy.sql import Executable
 
+from pgq.errors import PgqError
 from pgq.records import BreakerView, Claimed, DrainState, Lease, Message, Outcome, Sweep
 from pgq.sql import breaker as breaker_sql
 from pgq.sql import claim as claim_sql
@@ -28,6 +32,7 @@ from pgq.sql import stats as stats_sql
 from pgq.sql.locks import breaker_flip_key, lock_key, try_xact_lock, xact_lock
 from pgq.store.connections import run_hot
 from pgq.store.engine import schema_of
+from pgq.store.members import lock_holders, member_table
 
 logger = logging.getLogger("pgq.store")
 
@@ -96,20 +101,63 @@ def vacuum_due(dead: int, live: int) -> bool:
     return dead >= max(VACUUM_MIN_DEAD, min(VACUUM_DEAD_SHARE * live, VACUUM_ENOUGH_DEAD))
 
 
+TOKEN_BITS = 20
+"""Claims per drawn block of lease tokens (2^20)."""
+
+
+class LeaseTokens:
+    """The lease tokens of one member process (decision 0004): one value v drawn from
+    the `lease_token` sequence, then -(v * 2^TOKEN_BITS + k) for k = 0, 1, …, a new
+    v when the block is used up. Unique across every claim of every member: blocks
+    never overlap, and members of earlier versions drew positive tokens. Drawn in the
+    claim's own transaction (or autocommitted before it), one statement per 2^20
+    claims."""
+
+    def __init__(self) -> None:
+        self._block = 0
+        self._next = 1 << TOKEN_BITS  # no block yet
+        self._lock = threading.Lock()
+
+    def next(self, conn: Connection) -> int:
+        with self._lock:
+            if self._next >= 1 << TOKEN_BITS:
+                [(block,)] = run_hot(conn, claim_sql.token_block(), {})
+                if not 0 < block < 1 << (63 - TOKEN_BITS):
+                    raise PgqError(f"lease_token sequence out of range for token blocks: {block}")
+                self._block, self._next = block, 0
+            token = -((self._block << TOKEN_BITS) | self._next)
+            self._next += 1
+            return token
+
+
 class GroupStore:
     """The consumer's statements for one group and member, run on a role's connection."""
 
     def __init__(
-        self, gid: int, group: str, topic: str, member: str, lease: float, max_reclaims: int
+        self,
+        gid: int,
+        group: str,
+        topic: str,
+        member: str,
+        lease: float,
+        max_reclaims: int,
+        *,
+        topic_id: int = 0,
+        split_claim: bool = False,
     ) -> None:
         self.gid = gid
         self.group = group
         self.topic = topic
+        self.topic_id = topic_id
+        self.split_claim = split_claim
+        """Read the claimed messages in a statement of their own (on Citus, where they
+        live on the topic's shard: `pgq.sql.claim.lease_picked`); needs `topic_id`."""
         self.member = member
         self.lease = dt.timedelta(seconds=lease)
         self.max_reclaims = max_reclaims
         self.started: dt.datetime | None = None
         """When this process joined (its join's token; None before it joined)."""
+        self.tokens = LeaseTokens()
 
     # -- claim path ---------------------------------------------------------
 
@@ -120,8 +168,39 @@ class GroupStore:
             return []
         if limit < 64:
             limit = 1 << (limit.bit_length() - 1)
-        params = {"gid": self.gid, "member": self.member, "lease": self.lease}
-        return self._claimed(run_hot(conn, claim_sql.claim(limit), params), epoch, probe)
+        params = {
+            "gid": self.gid,
+            "member": self.member,
+            "lease": self.lease,
+            "token": self.tokens.next(conn),
+        }
+        rows = self._lease(conn, partial(claim_sql.claim, limit), params)
+        return self._claimed(rows, epoch, probe)
+
+    def _lease(
+        self, conn: Connection, statement: Callable[[bool], Executable], params: dict[str, Any]
+    ) -> list[Any]:
+        """Run a claim statement (`statement(bodies)`); its rows as `CLAIMED` orders them.
+        With `split_claim`, the messages are read by a second statement."""
+        if not self.split_claim:
+            return run_hot(conn, statement(True), params)
+        leased = run_hot(conn, statement(False), params)
+        if not leased:
+            return []
+        found = run_hot(
+            conn,
+            claim_sql.message_bodies(),
+            {"topic_id": self.topic_id, "ids": int_array(r[0] for r in leased)},
+        )
+        bodies = {r[0]: r[1:] for r in found}
+        rows = []
+        for message_id, seq, attempts, epoch in leased:
+            body = bodies.get(message_id)
+            if body is None:  # a delivery row keeps its message: never seen
+                logger.error("claimed message not found id=%d group=%s", message_id, self.group)
+                continue
+            rows.append((message_id, seq, attempts, *body, epoch))
+        return rows
 
     def claim_probe(
         self, conn: Connection, epoch: int, max_refunds: int, hold: float
@@ -146,9 +225,10 @@ class GroupStore:
         }
         if conn.execute(breaker_sql.probe_slot(), params).one_or_none() is None:
             return None
+        params["token"] = self.tokens.next(conn)
         for kind in breaker_sql.PROBE_KINDS:
             for probed in (False, True):
-                rows = conn.execute(breaker_sql.claim_probe(kind, probed), params).all()
+                rows = self._lease(conn, partial(breaker_sql.claim_probe, kind, probed), params)
                 if rows:
                     self.renew_probe(conn, epoch, hold)
                     return self._claimed(rows, epoch, probe=True)[0]
@@ -324,6 +404,7 @@ class GroupStore:
         return conn.execute(
             breaker_sql.open_on_quorum(),
             {
+                **lock_holders(conn, self.gid, ""),
                 "gid": self.gid,
                 "at_epoch": epoch,
                 "member": self.member,
@@ -339,7 +420,7 @@ class GroupStore:
         from pg_locks (so the name goes when that session does)."""
         params = {"gid": self.gid, "member": self.member}
         lock_conn.execute(breaker_sql.set_prober(), params)
-        lock_conn.execute(breaker_sql.mark_prober(), params)
+        lock_conn.execute(breaker_sql.mark_prober(), {**params, "table": member_table(lock_conn)})
 
     def probe_failed(
         self, conn: Connection, epoch: int, delay: float, message_id: int | None = None
@@ -559,6 +640,7 @@ class GroupStore:
         """Rows ready now, waiting for retry (and of those, due within `wait` seconds),
         and leased by us or by members that are not live."""
         params = {
+            **lock_holders(conn, self.gid, ""),
             "gid": self.gid,
             "member": self.member,
             "ttl": dt.timedelta(seconds=ttl),

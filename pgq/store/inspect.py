@@ -18,6 +18,7 @@ from pgq.breaker import pending_scope
 from pgq.sql import admin as aq
 from pgq.sql import status as q
 from pgq.store.errors import wrap_errors
+from pgq.store.members import lock_holders
 from pgq.store.topics import group_info
 
 
@@ -39,6 +40,18 @@ class GroupRows:
     counts: Mapping[str, Any] | None
     members: list[Row[Any]]
     holder: Row[Any] | None
+    prober: str | None
+
+
+def _probers(conn: Connection, gid: int | None) -> dict[int, str]:
+    """The member of each group whose prober lock some session holds (the first by
+    name, should two): the prober right now, and no one once its lock session is
+    gone. Read from `pg_locks` apart from the group rows (decision 0023, 3.1)."""
+    held = lock_holders(conn, gid, "prober")
+    probers: dict[int, str] = {}
+    for group_id, name in sorted(zip(held["prober_gids"], held["prober_names"], strict=True)):
+        probers.setdefault(group_id, name)
+    return probers
 
 
 def _holder(conn: Connection) -> Row[Any] | None:
@@ -53,7 +66,7 @@ def _members(
     every = recent is None
     stmt = q.all_members(every) if gid is None else q.group_members(every)
     params: dict[str, Any] = {"ttl": ttl, "recent": recent, "group_id": gid}
-    return list(conn.execute(stmt, params))
+    return list(conn.execute(stmt, {**params, **lock_holders(conn, gid, "")}))
 
 
 def group_status(engine: Engine, group: str, member_ttl: float, recent: float | None) -> GroupRows:
@@ -64,19 +77,24 @@ def group_status(engine: Engine, group: str, member_ttl: float, recent: float | 
         row = conn.execute(q.group_row(), {"group_id": gid}).one()
         counts = conn.execute(q.group_counts(), {"group_id": gid}).one()._asdict()
         members = _members(conn, member_ttl, recent, gid)
-        return GroupRows(row, counts, members, _holder(conn))
+        prober = _probers(conn, gid).get(gid)
+        return GroupRows(row, counts, members, _holder(conn), prober)
 
 
 def all_group_status(engine: Engine, member_ttl: float, recent: float | None) -> list[GroupRows]:
     """`group_status` of every group, by name, from one snapshot."""
     with snapshot(engine) as conn:
         rows = conn.execute(q.all_group_rows()).all()
+        probers = _probers(conn, None)
         counts = {r.group_id: r._asdict() for r in conn.execute(q.all_group_counts())}
         members: dict[int, list[Row[Any]]] = {}
         for m in _members(conn, member_ttl, recent):
             members.setdefault(m.group_id, []).append(m)
         holder = _holder(conn)
-    return [GroupRows(r, counts.get(r.id), members.get(r.id, []), holder) for r in rows]
+    return [
+        GroupRows(r, counts.get(r.id), members.get(r.id, []), holder, probers.get(r.id))
+        for r in rows
+    ]
 
 
 def member_rows(engine: Engine, group: str, ttl: float, recent: float | None) -> list[Row[Any]]:
@@ -94,6 +112,7 @@ class BreakerRows:
     row: Row[Any]
     history: list[Row[Any]]
     probes: list[Row[Any]]
+    prober: str | None
 
 
 def breaker_rows(engine: Engine, group: str, history_limit: int, probe_limit: int) -> BreakerRows:
@@ -102,11 +121,12 @@ def breaker_rows(engine: Engine, group: str, history_limit: int, probe_limit: in
     with snapshot(engine) as conn:
         gid = group_info(conn, group).id
         row = conn.execute(q.group_row(), {"group_id": gid}).one()
+        prober = _probers(conn, gid).get(gid)
         history = conn.execute(
             q.breaker_history(), {"group_id": gid, "limit": max(history_limit, 0)}
         )
         probes = conn.execute(q.probes(), {"group_id": gid, "limit": max(probe_limit, 0)})
-        return BreakerRows(row, list(history), list(probes))
+        return BreakerRows(row, list(history), list(probes), prober)
 
 
 def dead_rows(

@@ -21,6 +21,7 @@ import psycopg
 import pytest
 from psycopg import sql
 from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql import Executable
 
 import pgq
@@ -107,8 +108,11 @@ def is_router(lines: list[str]) -> bool:
 
 
 FENCE = {"member": "m1", "ids": [1, 2], "seqs": [7, 8]}
-DRAIN = {"member": "m1", "ttl": 30 * SECOND, "wait": SECOND}
+CLAIM = {"member": "m1", "lease": 30 * SECOND, "token": -(5 << 20)}
+PRESENT = {"present_gids": [1], "present_names": ["m1"]}
+DRAIN = {"member": "m1", "ttl": 30 * SECOND, "wait": SECOND, **PRESENT}
 JOIN = {"member": "m1", "host": "h", "pid": 1, "ttl": 30 * SECOND, "takeover": False}
+PROBE = {"at_epoch": 1, "max_refunds": 3}
 
 
 def _xfail(reason: str) -> pytest.MarkDecorator:
@@ -127,13 +131,14 @@ STATEMENTS = [
         {"from_epoch": 0, "close_epoch": 2, "max_refunds": 3},
         id="reconcile-done",
     ),
+    pytest.param("claim", lambda: claim.claim(100, bodies=False), CLAIM, id="claim"),
     pytest.param(
-        "claim",
-        lambda: claim.claim(100),
-        {"member": "m1", "lease": 30 * SECOND},
-        id="claim",
-        marks=_xfail("nextval() in an UPDATE"),
+        "claim_probe",
+        lambda: breaker.claim_probe("dead", True, bodies=False),
+        {**CLAIM, **PROBE},
+        id="claim-probe",
     ),
+    pytest.param("message_bodies", claim.message_bodies, {"ids": [1, 2]}, id="bodies"),
     pytest.param(
         "record_failures",
         outcomes.record_failures,
@@ -164,12 +169,12 @@ STATEMENTS = [
     pytest.param(
         "sweep_expired", claim.sweep_expired, {"limit": 100, "max_reclaims": 3}, id="sweep"
     ),
+    pytest.param("drain_state", members.drain_state, DRAIN, id="drain"),
     pytest.param(
-        "drain_state",
-        members.drain_state,
-        DRAIN,
-        id="drain",
-        marks=_xfail("liveness reads pg_locks in distributed subplans (3.1)"),
+        "forget_departed",
+        members.forget_departed,
+        {"after": 30 * SECOND, **PRESENT},
+        id="forget",
     ),
     pytest.param(
         "advance_frontier",
@@ -193,28 +198,49 @@ def test_hot_statement_is_a_router_plan(
     cluster: tuple[Engine, int], name: str, statement: Any, params: dict[str, Any]
 ):
     engine, gid = cluster
-    lines = plan(engine, statement(), {"gid": gid, **params})
+    topic = {"topic_id": topic_of(engine)} if name == "message_bodies" else {}
+    lines = plan(engine, statement(), {"gid": gid, **topic, **params})
     assert is_router(lines), "\n".join(lines)
 
 
-@pytest.mark.parametrize(
-    "statement, params",
-    [
-        pytest.param(members.drain_state, DRAIN, id="drain"),
-        pytest.param(members.forget_departed, {"after": 30 * SECOND}, id="forget"),
-    ],
-)
-def test_member_statements_read_one_shard(
-    cluster: tuple[Engine, int], statement: Any, params: dict[str, Any]
-):
-    """Their tables are read on the group's shard alone (one task), every subquery
-    filtered by the group's id; all that runs outside that task is the catalogue
-    read of the `pg_locks` liveness test, which 0023 3.1 turns into a parameter."""
+def topic_of(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.scalar(text(f'SELECT id FROM "{schema_of(engine)}".topic')))
+
+
+@pytest.mark.parametrize("purpose", ["", "prober"])
+def test_the_lock_test_runs_on_the_coordinator(cluster: tuple[Engine, int], purpose: str):
+    """Liveness and the prober's name are read from `pg_locks` by a statement over no
+    table of pgq's (0023, 3.1): planned on the coordinator, where members hold their
+    locks, not on the group's worker."""
     engine, gid = cluster
-    lines = plan(engine, statement(), {"gid": gid, **params})
-    assert tasks(lines) == [1], "\n".join(lines)
-    scans = subplan_scans(lines)
-    assert all(re.search(r"on (pg_database|pg_lock_status)\b", scan) for scan in scans), scans
+    params = {"gids": [gid], "names": ["m1"], "table": f'"{schema_of(engine)}".member'}
+    lines = plan(engine, members.holding(purpose), params)
+    assert tasks(lines) == [] and not any("Citus" in line for line in lines), "\n".join(lines)
+
+
+def test_a_member_claims_on_the_cluster_with_its_messages():
+    """The claim on the cluster (0023, section 4): the rows are leased on the group's
+    shard under the member's token (negative, decision 0004), the messages read on
+    the topic's shard by a second statement, and a row claimed again gets a new token.
+    Joined in one statement, as on one server, Citus refuses it."""
+    with distributed_schema() as (engine, gid):
+        store = GroupStore(
+            gid, "billing", "orders", "m1", 30.0, 3, topic_id=topic_of(engine), split_claim=True
+        )
+        first = run_once(engine, store.claim, 2, 0)
+        assert [(c.id, c.message.payload) for c in first] == [(1, {"n": 0}), (2, {"n": 1})]
+        assert first[0].seq == first[1].seq < 0
+        assert run_once(engine, store.release, [first[0].lease]) == {first[0].lease}
+        [again] = run_once(engine, store.claim, 1, 0)
+        assert again.id == 1 and again.seq not in (0, first[0].seq)
+        with pytest.raises(DBAPIError, match="complex joins are only supported"):
+            with engine.begin() as conn:
+                conn.execute(claim.claim(2), {"gid": gid, **CLAIM})
+
+
+def schema_of(engine: Engine) -> str:
+    return engine.get_execution_options()["schema_translate_map"][SCHEMA_PLACEHOLDER]
 
 
 def test_failures_run_each_due_after_its_own_delay(cluster: tuple[Engine, int]):
@@ -342,3 +368,32 @@ def test_reconciliation_keeps_the_reference_replicas_equal(cluster: tuple[Engine
             [f'"{schema}".consumer_group'],
         ).fetchall()
     assert len({result for _, result in totals}) == 1, totals
+
+
+def test_a_member_holding_its_lock_is_live_on_the_cluster():
+    """Liveness on the cluster (0023, 3.1): a member whose session holds its lock (on
+    the coordinator) is live for the drain check and for status; once the lock's
+    session is gone, its leases count as held by a dead member. Before liveness was
+    a parameter, the test ran on the worker and every member looked dead."""
+    from pgq.store.connections import member_lock
+    from pgq.store.members import lock_holders
+
+    with distributed_schema() as (engine, gid):
+        store = GroupStore(
+            gid, "billing", "orders", "m1", 30.0, 3, topic_id=topic_of(engine), split_claim=True
+        )
+        session = member_lock(engine, gid, "m1")
+        assert session.acquire()
+        try:
+            assert run_once(engine, store.join, 30.0, True)
+            run_once(engine, store.claim, 2, 0)
+            with engine.connect() as conn:
+                holders = lock_holders(conn, gid, "")
+            assert (holders["present_gids"], holders["present_names"]) == ([gid], ["m1"])
+            other = GroupStore(gid, "billing", "orders", "m2", 30.0, 3)
+            assert run_once(engine, other.drain_state, 30.0).held == 0  # m1 is live
+            [member] = pgq.status(engine, "billing")["members"]
+            assert (member["name"], member["live"]) == ("m1", True)
+        finally:
+            session.release()
+        assert run_once(engine, other.drain_state, 30.0).held == 2  # m1 is gone

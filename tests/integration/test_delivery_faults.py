@@ -523,3 +523,67 @@ def test_outcomes_written_before_a_cut_are_not_counted_refused(orders, pg_dsn, s
     (summary,) = out
     assert summary.refused == 0, summary
     assert summary.done == succeeded == n, (summary, succeeded)
+
+
+FENCED = ("done", "retry", "release", "extend", "settled")
+
+
+@pytest.mark.parametrize("statement", FENCED)
+def test_the_fence_matches_each_id_with_its_own_token(orders, schema, statement):
+    """A claim gives all its rows one token, so one token is current on several rows:
+    a batch naming (X, stale) and (Y, current), where X's current token is Y's (both
+    from one claim), applies to Y alone. A fence testing ids and tokens apart
+    (`message_id = ANY(:ids) AND lease_seq = ANY(:seqs)`) would take X's newer lease
+    for the stale one."""
+    from pgq.records import Outcome
+    from pgq.sql import outcomes as outcome_sql
+    from pgq.store import GroupStore, group_info, run_once
+
+    engine = orders
+    pin_frontier(engine, "orders")
+    x, y = pgq.publish_many(engine, "orders", [{"n": 1}, {"n": 2}])
+    store = GroupStore(group_info(engine, "billing").id, "billing", "orders", "m", 30.0, 3)
+    first = {c.id: c for c in run_once(engine, store.claim, 2, 0)}
+    released = [first[x].lease, first[y].lease]
+    assert run_once(engine, store.release, released) == set(released)
+    now = {c.id: c for c in run_once(engine, store.claim, 2, 0)}
+    stale, x_now, y_now = first[x], now[x], now[y]
+    assert x_now.seq == y_now.seq != stale.seq  # X's current token is Y's
+    leases = [stale.lease, y_now.lease]
+
+    if statement == "done":
+        outcomes = [Outcome(stale, "done"), Outcome(y_now, "done")]
+        assert run_once(engine, store.record, outcomes) == {y_now.lease}
+    elif statement == "retry":
+        outcomes = [
+            Outcome(o, "retry", delay=0.0, error_class="message", error="x") for o in (stale, y_now)
+        ]
+        assert run_once(engine, store.record, outcomes) == {y_now.lease}
+    elif statement == "release":
+        assert run_once(engine, store.release, leases) == {y_now.lease}
+    elif statement == "extend":
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    f'UPDATE "{schema}".delivery SET lease_expires_at = now() + interval'
+                    " '1 second'"
+                )
+            )
+        assert run_once(engine, store.extend, leases) == {y_now.lease}
+        later = rows(engine, "billing")
+        assert later[x].lease_expires_at < later[y].lease_expires_at
+    else:  # settled: both leases ended (X's by its holder), only Y's under its token
+        outcomes = [Outcome(x_now, "done"), Outcome(y_now, "done")]
+        assert len(run_once(engine, store.record, outcomes)) == 2
+        params = {"gid": store.gid, "ids": [stale.id, y_now.id], "seqs": [stale.seq, y_now.seq]}
+        with engine.connect() as conn:
+            found = conn.execute(outcome_sql.settled(), params).all()
+        assert [(r[0], r[1]) for r in found] == [tuple(y_now.lease)]
+        return
+    row = rows(engine, "billing")[x]
+    assert (row.state, row.lease_seq, row.lease_owner, row.attempts) == (
+        "leased",
+        x_now.seq,
+        "m",
+        0,
+    )

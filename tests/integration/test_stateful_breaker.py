@@ -67,15 +67,15 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
-from sqlalchemy import Connection, Engine, func, literal, select, text, update
+from sqlalchemy import Connection, Engine, func, select, text, update
 
 import pgq
 from pgq import schema as t
 from pgq.breaker import probe_delay
 from pgq.records import Claimed, DrainState, Lease, Outcome
-from pgq.sql.breaker import prober_of
 from pgq.sql.members import member_live
 from pgq.store import GroupStore, LostLock, SessionLock, group_info, member_lock, probe_lock
+from pgq.store.members import lock_holders
 
 EXAMPLES = int(os.environ.get("STATEFUL_BREAKER_EXAMPLES", "0")) or 20
 STEPS = int(os.environ.get("STATEFUL_BREAKER_STEPS", "0")) or 200
@@ -1317,12 +1317,13 @@ class BreakerMachine(RuleBasedStateMachine):
                 select(mb.c.name, mb.c.local_breaker, mb.c.tripped_epoch, member_live()).where(
                     mb.c.group_id == self.gid
                 ),
-                {"ttl": dt.timedelta(seconds=TTL)},
+                {"ttl": dt.timedelta(seconds=TTL), **lock_holders(self.reader, self.gid, "")},
             )
         }
         joined = {p.name: (*p.reported, p.live) for p in self.procs.values() if p.joined}
         assert members == joined, f"members {members}, model {joined}"
-        prober = self.reader.scalar(select(prober_of(literal(self.gid))))
+        probers = lock_holders(self.reader, self.gid, "prober")["prober_names"]
+        prober = min(probers, default=None)
         holders = [p.name for p in self.procs.values() if p.holds]
         assert prober == (holders[0] if holders else None), f"prober {prober}, {holders}"
         for mid, row in self.rows.items():

@@ -158,3 +158,70 @@ def test_init_keeps_each_role_able_to_do_its_job(released: Engine, pg_dsn: str, 
         finally:
             eng.dispose()
         assert (summary.stop_reason, summary.done) == ("empty", 1), consumer
+
+
+@pytest.fixture(params=[*RELEASED, LATEST], ids=lambda v: f"v{v}")
+def any_version(request: pytest.FixtureRequest, pg_dsn: str, schema: str) -> Iterator[Engine]:
+    """The test's schema at each version: restored as released, or today's (the
+    latest, which members of the version before the per-row token used as it is)."""
+    engine = pgq.connect(pg_dsn, schema=schema)
+    if request.param < LATEST:
+        restore(pg_dsn, schema, request.param)
+    else:
+        pgq.migrate(engine)
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    yield engine
+    engine.dispose()
+
+
+def test_leases_taken_with_the_global_token_are_acked_after_the_upgrade(
+    any_version: Engine, schema: str
+):
+    """Members of earlier versions gave each row a token of its own from the
+    `lease_token` sequence (decision 0004). Such a token stays its row's current
+    one, so today's fence, by (message id, token) pairs, accepts the lease's outcome
+    after the upgrade; the row's next claim takes a token of today's kind (negative,
+    from a block drawn from the same sequence), which no earlier lease ever had, and
+    a stale outcome for the first row in the same batch as another row's current one
+    applies to the latter only."""
+    import datetime as dt
+
+    from pgq.records import Claimed, Lease, Message, Outcome
+    from pgq.store import GroupStore, group_info
+    from pgq.store.group import TOKEN_BITS
+
+    engine = any_version
+    a, b, c = pgq.publish_many(engine, "t", [{"n": i} for i in range(3)])
+    with engine.begin() as conn:  # the earlier version's claim of a, b, then c
+        conn.execute(text(f"SELECT setval('\"{schema}\".lease_token', 40)"))
+        tokens = {}
+        for mid in (a, b, c):
+            tokens[mid] = conn.scalar(
+                text(
+                    f"UPDATE \"{schema}\".delivery SET state = 'leased', lease_owner = 'm',"
+                    f" lease_seq = nextval('\"{schema}\".lease_token'),"
+                    " lease_expires_at = now() + interval '1 minute'"
+                    " WHERE message_id = :id RETURNING lease_seq"
+                ),
+                {"id": mid},
+            )
+    assert [tokens[a], tokens[b], tokens[c]] == [41, 42, 43]
+    assert pgq.migrate(engine) == LATEST
+    store = GroupStore(group_info(engine, "g").id, "g", "t", "m", 60.0, 3)
+
+    def held(mid: int, seq: int) -> Claimed:
+        now = dt.datetime.now(dt.timezone.utc)
+        return Claimed(Message(mid, "t", "g", None, {}, None, 1, now), seq, 0)
+
+    assert run_once(engine, store.record, [Outcome(held(a, 41), "done")]) == {Lease(a, 41)}
+    assert run_once(engine, store.release, [Lease(b, 42)]) == {Lease(b, 42)}
+    [again] = run_once(engine, store.claim, 1, 0)
+    assert again.id == b
+    assert again.seq < 0 and -again.seq >> TOKEN_BITS > 43  # a block drawn after them
+    batch = [Outcome(held(b, 42), "done"), Outcome(held(c, 43), "done")]
+    assert run_once(engine, store.record, batch) == {Lease(c, 43)}
+    assert run_once(engine, store.record, [Outcome(again, "done")]) == {again.lease}
+    status = pgq.status(engine, "g")
+    assert status["counts"]["done"] == 3, status["counts"]
+    assert status["counts"]["ready"] == status["counts"]["leased"] == 0
