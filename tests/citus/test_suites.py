@@ -107,9 +107,10 @@ SUITES: dict[str, tuple[float, list[str]]] = {
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    """This environment, pointed at the cluster in distributed mode."""
+    """This environment, pointed at the cluster in distributed mode (wide, so that
+    pytest's short summary keeps each failure's first error line)."""
     env = {k: v for k, v in os.environ.items() if k != "PGQ_CITUS_DSN"}
-    env.update(PGQ_TEST_DSN=CITUS_DSN, PGQ_TEST_DISTRIBUTED="1", **extra)
+    env.update(PGQ_TEST_DSN=CITUS_DSN, PGQ_TEST_DISTRIBUTED="1", COLUMNS="240", **extra)
     return env
 
 
