@@ -123,6 +123,8 @@ def run_suite(ids: list[str], limit: float, **extra: str) -> tuple[int | None, s
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids]
     # a test that hangs on the cluster fails after TEST_TIMEOUT, with its stack
     cmd.append(f"--timeout={TEST_TIMEOUT}")
+    # a test about to be interrupted (below) shows its threads' stacks first
+    cmd += ["-o", f"faulthandler_timeout={max(5, int(limit) - 8)}"]
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -168,5 +170,5 @@ def tail(text: str, lines: int = 40) -> str:
 def test_suite_passes_on_the_cluster(limit: float, ids: list[str]) -> None:
     code, out = run_suite(ids, limit, CHAOSQ_TOPICS_SECONDS=str(HISTORY_SECONDS))
     if code is None:
-        pytest.fail(f"still running after {limit:g}s on {CITUS_DSN}:\n{tail(out)}")
+        pytest.fail(f"still running after {limit:g}s on {CITUS_DSN}:\n{tail(out, 120)}")
     assert code == 0, f"exit {code} on {CITUS_DSN}:\n{tail(out)}"
