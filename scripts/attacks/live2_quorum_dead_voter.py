@@ -19,6 +19,14 @@ version, paused at the same place (after the flip lock, before the open statemen
 stays CLOSED: LIVE2_OPENER=old runs O from 6490a38 (TOKEN2_PREV, default
 /tmp/pgq_prev2; `git archive 6490a38 pgq | tar -x -C /tmp/pgq_prev2`).
 
+For comparison, LIVE2_OPENER=old_after (or new_after) pauses O right after its open
+statement returned, before its transaction commits. Observed 2026-12-01: new -> OPEN
+(exit 1), old -> CLOSED (exit 0), old_after -> OPEN (exit 1): the earlier version
+commits an open on a member that died meanwhile too, when the pause falls after its
+statement; today's window is the gap between the holders read and the open statement
+(one more round trip), where "a member that joins in between counts as not holding"
+(lock_holders) has its mirror: a member that dies in between counts as holding.
+
 Run: .venv/bin/python scripts/attacks/live2_quorum_dead_voter.py (~20 s)
 Exit 1 when the group opened on the dead member's vote.
 """
@@ -47,7 +55,14 @@ if os.environ.get("ATK_PAUSE"):
             open(_marker, "w").close()
             os.kill(os.getpid(), signal.SIGSTOP)
     from pgq.store import group as G
-    if hasattr(G, "lock_holders"):  # today's: pause after the holders were read
+    if os.environ.get("ATK_AFTER"):  # pause right after the open statement returned
+        _goq = G.GroupStore.open_on_quorum
+        def _after(self, *a, **k):
+            got = _goq(self, *a, **k)
+            _pause()
+            return got
+        G.GroupStore.open_on_quorum = _after
+    elif hasattr(G, "lock_holders"):  # today's: pause after the holders were read
         _lh = G.lock_holders
         def lock_holders(conn, gid, *purposes):
             got = _lh(conn, gid, *purposes)
@@ -134,8 +149,9 @@ with Schema("l2quorum") as s:
         wait(lambda: members(s).get("B", ("closed",))[0] == "open", "B trips")
         time.sleep(1.0)
         print("B tripped alone; breaker", breaker(s), "members", members(s))
-        code = PREV if OPENER == "old" else ROOT
-        procs["O"] = start(s, d, "O", code, ATK_PAUSE=str(marker))
+        code = PREV if OPENER.startswith("old") else ROOT
+        after = {"ATK_AFTER": "1"} if OPENER.endswith("_after") else {}
+        procs["O"] = start(s, d, "O", code, ATK_PAUSE=str(marker), **after)
         wait(marker.exists, "O reaches the open on quorum")
         time.sleep(0.2)  # the SIGSTOP it sent itself has landed
         print(f"O ({OPENER}) paused inside its open; B holds its lock: {lock_held(s, 'B')}")
@@ -163,4 +179,4 @@ with Schema("l2quorum") as s:
             p.kill()
             p.wait()
 
-verdict(problems, f"open on quorum counts only live voters ({OPENER} opener paused before its open)")
+verdict(problems, f"open on quorum counts only live voters (opener {OPENER}, paused in its open)")
