@@ -27,7 +27,6 @@ from pgq.names import check_member_name, check_name
 from pgq.records import GroupInfo, Message, RunSummary, StopReason
 from pgq.settings import ADAPTIVE, Settings, load_settings
 from pgq.store import GroupStore, group_info, member_engine, member_lock, run_once
-from pgq.store.placement import distributed
 from pgq.store.privileges import require_consumer_privileges
 
 logger = logging.getLogger("pgq.consumer")
@@ -185,7 +184,6 @@ class Consumer:
         store = GroupStore(
             *(info.id, self.group, info.topic, self.name, s.lease, s.max_reclaims),
             topic_id=info.topic_id,
-            split_claim=distributed(self.engine),
         )
         member = Member(
             engine=engine,

@@ -148,6 +148,13 @@ def token_block() -> Executable:
     return select(t.lease_token.next_value())
 
 
+@cache
+def topic_of_group() -> Executable:
+    """The topic id of group `:gid`."""
+    g = t.consumer_group
+    return select(g.c.topic_id).where(g.c.id == bindparam("gid", type_=Integer))
+
+
 LEASED = ("message_id", "lease_seq", "attempts", "epoch")
 """The columns of a claim without its messages (`lease_picked(..., bodies=False)`)."""
 

@@ -33,6 +33,7 @@ from pgq.sql.locks import breaker_flip_key, lock_key, try_xact_lock, xact_lock
 from pgq.store.connections import run_hot
 from pgq.store.engine import schema_of
 from pgq.store.members import lock_holders, member_table
+from pgq.store.placement import distributed
 
 logger = logging.getLogger("pgq.store")
 
@@ -142,16 +143,17 @@ class GroupStore:
         lease: float,
         max_reclaims: int,
         *,
-        topic_id: int = 0,
-        split_claim: bool = False,
+        topic_id: int | None = None,
     ) -> None:
         self.gid = gid
         self.group = group
         self.topic = topic
         self.topic_id = topic_id
-        self.split_claim = split_claim
-        """Read the claimed messages in a statement of their own (on Citus, where they
-        live on the topic's shard: `pgq.sql.claim.lease_picked`); needs `topic_id`."""
+        """The topic's id (looked up at the first claim that needs it, when None)."""
+        self.split_claim: bool | None = None
+        """Read the claimed messages in a statement of their own: on Citus, where they
+        live on the topic's shard (`pgq.sql.claim.lease_picked`). Asked at the first
+        claim."""
         self.member = member
         self.lease = dt.timedelta(seconds=lease)
         self.max_reclaims = max_reclaims
@@ -182,11 +184,15 @@ class GroupStore:
     ) -> list[Any]:
         """Run a claim statement (`statement(bodies)`); its rows as `CLAIMED` orders them.
         With `split_claim`, the messages are read by a second statement."""
+        if self.split_claim is None:
+            self.split_claim = distributed(conn)
         if not self.split_claim:
             return run_hot(conn, statement(True), params)
         leased = run_hot(conn, statement(False), params)
         if not leased:
             return []
+        if self.topic_id is None:
+            [(self.topic_id,)] = run_hot(conn, claim_sql.topic_of_group(), {"gid": self.gid})
         found = run_hot(
             conn,
             claim_sql.message_bodies(),

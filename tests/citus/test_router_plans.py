@@ -225,9 +225,7 @@ def test_a_member_claims_on_the_cluster_with_its_messages():
     the topic's shard by a second statement, and a row claimed again gets a new token.
     Joined in one statement, as on one server, Citus refuses it."""
     with distributed_schema() as (engine, gid):
-        store = GroupStore(
-            gid, "billing", "orders", "m1", 30.0, 3, topic_id=topic_of(engine), split_claim=True
-        )
+        store = GroupStore(gid, "billing", "orders", "m1", 30.0, 3, topic_id=topic_of(engine))
         first = run_once(engine, store.claim, 2, 0)
         assert [(c.id, c.message.payload) for c in first] == [(1, {"n": 0}), (2, {"n": 1})]
         assert first[0].seq == first[1].seq < 0
@@ -379,9 +377,7 @@ def test_a_member_holding_its_lock_is_live_on_the_cluster():
     from pgq.store.members import lock_holders
 
     with distributed_schema() as (engine, gid):
-        store = GroupStore(
-            gid, "billing", "orders", "m1", 30.0, 3, topic_id=topic_of(engine), split_claim=True
-        )
+        store = GroupStore(gid, "billing", "orders", "m1", 30.0, 3, topic_id=topic_of(engine))
         session = member_lock(engine, gid, "m1")
         assert session.acquire()
         try:
