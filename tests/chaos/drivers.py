@@ -40,6 +40,10 @@ from sqlalchemy import Engine, select
 
 import pgq
 from pgq import schema as t
+from pgq.errors import StatementTimeout, TransactionConflict
+
+REFUSED = (TransactionConflict, StatementTimeout)
+"""What a publisher survives: the publish did not commit, and it goes on (counted)."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class Record:
     subscriptions: list[Subscription] = field(default_factory=list)
     retention: list[RetentionPass] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)  # publishes refused and retried
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, what: Published | Subscription | RetentionPass) -> None:
@@ -124,6 +129,7 @@ class Record:
                 f" retention_passes={len(self.retention)}"
                 f" retained={sum(len(r.deleted) for r in self.retention)}"
                 f" errors={len(self.errors)}"
+                + (f" conflicts={len(self.conflicts)}" if self.conflicts else "")
             )
 
 
@@ -235,17 +241,28 @@ class Drivers:
             how = self._publish_tx if i < tx_threads else self._publish_plain
             self._thread(name, functools.partial(how, name, count, interval))
 
+    def _refused(self, name: str, exc: Exception) -> None:
+        """A publish the database refused (a deadlock, a statement timeout): nothing of
+        it committed, so nothing is recorded as published; the driver goes on."""
+        with self.record.lock:
+            self.record.conflicts.append(f"{name}: {type(exc).__name__}: {exc}".splitlines()[0])
+        self._pause(0.1)
+
     def _publish_plain(self, name: str, count: int, interval: float) -> None:
         sent = 0
         rng = random.Random(name)
         while sent < count and self._running():
             n = min(count - sent, rng.choice([1, 1, 1, 2, 5]))
             began = time.time()
-            if n == 1:
-                ids = [pgq.publish(self.engine, self.topic, {"n": sent, "by": name})]
-            else:
-                payloads = [{"n": sent + k, "by": name} for k in range(n)]
-                ids = pgq.publish_many(self.engine, self.topic, payloads)
+            try:
+                if n == 1:
+                    ids = [pgq.publish(self.engine, self.topic, {"n": sent, "by": name})]
+                else:
+                    payloads = [{"n": sent + k, "by": name} for k in range(n)]
+                    ids = pgq.publish_many(self.engine, self.topic, payloads)
+            except REFUSED as exc:
+                self._refused(name, exc)
+                continue
             committed = time.time()
             for mid in ids:
                 self.record.add(Published(mid, self.topic, name, began, committed, False))
@@ -258,22 +275,27 @@ class Drivers:
         rng = random.Random(name)
         while sent < count and self._running():
             began = time.time()
-            with self.engine.connect() as first, self.engine.connect() as second:
-                tx_a = first.begin()
-                a = pgq.publish_many(first, self.topic, [{"n": sent, "by": name, "tx": "a"}])
-                tx_b = second.begin()
-                n = min(max(count - sent - 1, 0), rng.choice([1, 2, 3]))
-                b = []
-                if n:
-                    payloads = [{"n": sent + 1 + k, "by": name} for k in range(n)]
-                    b = pgq.publish_many(second, self.topic, payloads)
-                tx_b.commit()
-                b_done = time.time()
-                time.sleep(rng.uniform(0.0, 0.05))  # A stays open while others commit
-                tx_a.commit()
-                a_done = time.time()
-            for mid in b:
-                self.record.add(Published(mid, self.topic, name, began, b_done, True))
+            b: list[int] = []
+            try:
+                with self.engine.connect() as first, self.engine.connect() as second:
+                    tx_a = first.begin()
+                    a = pgq.publish_many(first, self.topic, [{"n": sent, "by": name, "tx": "a"}])
+                    tx_b = second.begin()
+                    n = min(max(count - sent - 1, 0), rng.choice([1, 2, 3]))
+                    if n:
+                        payloads = [{"n": sent + 1 + k, "by": name} for k in range(n)]
+                        b = pgq.publish_many(second, self.topic, payloads)
+                    tx_b.commit()
+                    b_done = time.time()
+                    for mid in b:  # committed: recorded whatever becomes of A
+                        self.record.add(Published(mid, self.topic, name, began, b_done, True))
+                    time.sleep(rng.uniform(0.0, 0.05))  # A stays open while others commit
+                    tx_a.commit()
+                    a_done = time.time()
+            except REFUSED as exc:
+                self._refused(name, exc)
+                sent += len(b)
+                continue
             for mid in a:
                 self.record.add(Published(mid, self.topic, name, began, a_done, True))
             sent += len(a) + len(b)

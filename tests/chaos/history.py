@@ -435,6 +435,11 @@ def check(
     summary = Summary(topic, published=len(pubs))
     if record is not None and record.errors:
         summary.problems.append(f"drivers failed: {record.errors}")
+    if record is not None and record.conflicts:
+        summary.problems.append(
+            f"{len(record.conflicts)} publishes refused (deadlock or timeout), e.g."
+            f" {record.conflicts[:3]}"
+        )
     if record is not None and record.retention:
         summary.retained = len(record.deleted())
         if not summary.retained:
