@@ -155,11 +155,9 @@ def tail(text: str, lines: int = 40) -> str:
     last `lines` lines of the output."""
     all_lines = text.splitlines()
     start = next((i for i, ln in enumerate(all_lines) if "short test summary info" in ln), None)
-    summary = all_lines[start : start + 40] if start is not None else []
-    rest = all_lines[-lines:]
-    return "\n".join(
-        [*summary, "...", *rest] if summary and summary != rest[: len(summary)] else rest
-    )
+    if start is None or start >= len(all_lines) - lines:
+        return "\n".join(all_lines[-lines:])
+    return "\n".join([*all_lines[start : start + 40], "...", *all_lines[-lines:]])
 
 
 @pytest.mark.timeout(max(limit for limit, _ in SUITES.values()) + 60)
