@@ -30,7 +30,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psycopg
 import pytest
+from psycopg import sql
 
 CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,6 +138,7 @@ def run_suite(ids: list[str], limit: float, **extra: str) -> tuple[int | None, s
     )
     try:
         out, _ = proc.communicate(timeout=limit)
+        drop_schemas_of(proc.pid)
         return proc.returncode, out
     except subprocess.TimeoutExpired:
         # SIGINT first: pytest then prints where each test was and its summary
@@ -147,7 +150,24 @@ def run_suite(ids: list[str], limit: float, **extra: str) -> tuple[int | None, s
             out, _ = proc.communicate(timeout=30)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # its members, should any be left
+        drop_schemas_of(proc.pid)
         return None, out
+
+
+def drop_schemas_of(pid: int) -> None:
+    """Drop the schemas a child left behind (its fixtures name them `t<pid>_<n>_<hex>`;
+    one interrupted mid-test cannot drop its own)."""
+    with psycopg.connect(CITUS_DSN, autocommit=True) as conn:
+        conn.execute("SET lock_timeout = '10s'")  # a killed child's backend may linger
+        names = conn.execute(
+            "SELECT nspname FROM pg_namespace WHERE nspname ~ %s",
+            [f"^t{pid}_[0-9]+_[0-9a-f]{{6}}$"],
+        ).fetchall()
+        for (name,) in names:
+            with contextlib.suppress(psycopg.errors.LockNotAvailable):
+                conn.execute(
+                    sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(name))
+                )
 
 
 def tail(text: str, lines: int = 40) -> str:
