@@ -40,23 +40,35 @@ def lock_key(*parts: str) -> int:
     return int.from_bytes(digest, "big", signed=True)
 
 
-def advisory_held(key: ColumnElement[Any], *, this_session: bool = False) -> ColumnElement[bool]:
-    """Some session of this database (or this very session) holds the session-level
-    advisory lock `key` (a bigint expression, which pg_locks splits into classid and
-    objid, objsubid 1)."""
-    here = select(_pg_database.c.oid).where(_pg_database.c.datname == func.current_database())
-    held = (
+def _held_key() -> ColumnElement[Any]:
+    """A pg_locks row's advisory key as the bigint it was taken with."""
+    return (
         cast(pg_locks.c.classid, BigInteger)
         .op("<<")(literal_column("32"))
         .op("|")(cast(pg_locks.c.objid, BigInteger))
     )
-    where = [
+
+
+def _held_in_this_database() -> list[ColumnElement[bool]]:
+    here = select(_pg_database.c.oid).where(_pg_database.c.datname == func.current_database())
+    return [
         pg_locks.c.locktype == literal("advisory"),
         pg_locks.c.granted,
         pg_locks.c.objsubid == literal(1),
         pg_locks.c.database == here.scalar_subquery(),
-        held == key,
     ]
+
+
+def held_advisory_keys() -> Select[Any]:
+    """The session-level advisory lock keys some session of this database holds."""
+    return select(_held_key()).select_from(pg_locks).where(*_held_in_this_database())
+
+
+def advisory_held(key: ColumnElement[Any], *, this_session: bool = False) -> ColumnElement[bool]:
+    """Some session of this database (or this very session) holds the session-level
+    advisory lock `key` (a bigint expression, which pg_locks splits into classid and
+    objid, objsubid 1)."""
+    where = [*_held_in_this_database(), _held_key() == key]
     if this_session:
         where.append(pg_locks.c.pid == func.pg_backend_pid())
     return (

@@ -132,10 +132,10 @@ def _available_at() -> ColumnElement[Any]:
 @cache
 def settled() -> Executable:
     """The rows of the leases `:ids`/`:seqs` of `:gid` that are no longer leased but
-    still carry those lease tokens (each pair matched, a row's tokens only grow: only
-    the holder's outcome or an expiry sweep could have ended them): their state and
-    attempts, from which the caller tells its own outcome, written by a statement
-    whose answer was lost, from a reclaim."""
+    still carry those lease tokens (each pair matched; a claim's token is never
+    given again: only the holder's outcome or an expiry sweep could have ended
+    them): their state and attempts, from which the caller tells its own outcome,
+    written by a statement whose answer was lost, from a reclaim."""
     return select(d.c.message_id, d.c.lease_seq, d.c.state, d.c.attempts).where(
         held_by(d.c.lease_owner.is_(None)), pairwise()
     )

@@ -106,6 +106,10 @@ TOKEN_BITS = 20
 """Claims per drawn block of lease tokens (2^20)."""
 
 
+def _holders(params: dict[str, Any]) -> set[tuple[int, str]]:
+    return set(zip(params["present_gids"], params["present_names"], strict=True))
+
+
 class LeaseTokens:
     """The lease tokens of one member process (decision 0004): one value v drawn from
     the `lease_token` sequence, then -(v * 2^TOKEN_BITS + k) for k = 0, 1, …, a new
@@ -405,20 +409,33 @@ class GroupStore:
     ) -> int | None:
         """Open the group if the quorum of live tripped members is there; the new epoch.
         Takes the group's breaker-flip lock first (a purge running now finishes on
-        the breaker it read, or waits for this open)."""
+        the breaker it read, or waits for this open).
+
+        Liveness is read apart from the statement (`lock_holders`), so the holders
+        are read again after it: if they changed, the open is undone (a savepoint)
+        and the next heartbeat tries again. Otherwise the member rows the statement
+        read and the locks held before and after it describe one moment: a member
+        killed between the reads, counted live, with others leaving meanwhile, made
+        a quorum that never existed (scripts/attacks/live2_quorum_never_existed.py)."""
         conn.execute(xact_lock(breaker_flip_key(schema_of(conn), self.group)))
-        return conn.execute(
-            breaker_sql.open_on_quorum(),
-            {
-                **lock_holders(conn, self.gid, ""),
-                "gid": self.gid,
-                "at_epoch": epoch,
-                "member": self.member,
-                "ttl": dt.timedelta(seconds=ttl),
-                "min_members": min_members,
-                "quorum": Decimal(str(quorum)),
-            },
-        ).scalar()
+        before = lock_holders(conn, self.gid, "", ttl=ttl)
+        params = {
+            **before,
+            "gid": self.gid,
+            "at_epoch": epoch,
+            "member": self.member,
+            "ttl": dt.timedelta(seconds=ttl),
+            "min_members": min_members,
+            "quorum": Decimal(str(quorum)),
+        }
+        with conn.begin_nested() as attempt:
+            opened = conn.execute(breaker_sql.open_on_quorum(), params).scalar()
+            after = lock_holders(conn, self.gid, "", ttl=ttl)
+            if opened is None or _holders(after) == _holders(before):
+                return opened
+            attempt.rollback()
+        logger.info("quorum open undone group=%s: members came or went meanwhile", self.group)
+        return None
 
     def set_prober(self, lock_conn: Connection) -> None:
         """Name this member the prober, on the session that holds the probe lock: it
@@ -646,7 +663,7 @@ class GroupStore:
         """Rows ready now, waiting for retry (and of those, due within `wait` seconds),
         and leased by us or by members that are not live."""
         params = {
-            **lock_holders(conn, self.gid, ""),
+            **lock_holders(conn, self.gid, "", ttl=ttl),
             "gid": self.gid,
             "member": self.member,
             "ttl": dt.timedelta(seconds=ttl),

@@ -66,7 +66,7 @@ def _members(
     every = recent is None
     stmt = q.all_members(every) if gid is None else q.group_members(every)
     params: dict[str, Any] = {"ttl": ttl, "recent": recent, "group_id": gid}
-    return list(conn.execute(stmt, {**params, **lock_holders(conn, gid, "")}))
+    return list(conn.execute(stmt, {**params, **lock_holders(conn, gid, "", ttl=ttl)}))
 
 
 def group_status(engine: Engine, group: str, member_ttl: float, recent: float | None) -> GroupRows:

@@ -59,8 +59,8 @@ if os.environ.get("ATK_PAUSE"):
         G.GroupStore.open_on_quorum = _after
     elif hasattr(G, "lock_holders"):  # today's: pause after the holders were read
         _lh = G.lock_holders
-        def lock_holders(conn, gid, *purposes):
-            got = _lh(conn, gid, *purposes)
+        def lock_holders(conn, gid, *purposes, **kw):
+            got = _lh(conn, gid, *purposes, **kw)
             if sys._getframe(1).f_code.co_name == "open_on_quorum":
                 _pause()
             return got

@@ -211,3 +211,59 @@ def breaker_of(engine: Engine, gid: int) -> tuple[str, int, list[tuple[int, str,
             .order_by(h.c.epoch)
         ).all()
     return state, epoch, [tuple(r) for r in history]
+
+
+def test_members_coming_and_going_between_the_reads_undo_the_open(engine: Engine, monkeypatch):
+    """Liveness is read apart from the open statement (0023, 3.1). Here, between the
+    read and the statement, a tripped member is killed (its session closes) and two
+    healthy ones leave: before, 2 of 4 were tripped (3 needed at quorum 0.75), after,
+    1 of 1 (2 needed). The statement alone, with the holders read before, counted
+    the dead one live and the leavers gone: 2 of 2, OPEN, a quorum that never existed
+    (scripts/attacks/live2_quorum_never_existed.py). The holders read again after
+    the statement differ, so the open is undone; the transaction goes on."""
+    import pgq.store.group as group_store
+
+    gid = fresh_group(engine)
+    table = f'"{schema_of(engine)}".member'
+    now = func.now()
+    rows = [
+        member(gid, "tripped-a", last_seen=now, tripped=True),
+        member(gid, "tripped-b", last_seen=now, tripped=True),
+        member(gid, "healthy-1", last_seen=now, tripped=False),
+        member(gid, "healthy-2", last_seen=now, tripped=False),
+    ]
+    with engine.begin() as conn:
+        conn.execute(insert(t.member).values(rows))
+    keep = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    doomed = engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+    for conn, name in [(keep, "tripped-a"), (doomed, "tripped-b")]:
+        params = {"gid": gid, "member": name, "table": table}
+        assert conn.execute(take_session_lock(), params).scalar()
+    for name in ("healthy-1", "healthy-2"):
+        params = {"gid": gid, "member": name, "table": table}
+        assert keep.execute(take_session_lock(), params).scalar()
+    read = group_store.lock_holders
+    calls = []
+
+    def between(conn, *args, **kwargs):
+        held = read(conn, *args, **kwargs)
+        calls.append(held)
+        if len(calls) == 1:  # after the first read: the kill and the leaves
+            doomed.close()
+            keep.execute(
+                update(t.member)
+                .where(t.member.c.group_id == gid, t.member.c.name.like("healthy-%"))
+                .values(left_at=func.now())
+            )
+        return held
+
+    monkeypatch.setattr(group_store, "lock_holders", between)
+    try:
+        with engine.begin() as conn:
+            opened = decider(gid).open_on_quorum(conn, EPOCH, ttl=TTL, min_members=2, quorum=0.75)
+            assert conn.scalar(select(func.count()).select_from(t.member)) == 4  # goes on
+    finally:
+        keep.close()
+    assert len(calls) == 2
+    assert opened is None
+    assert breaker_of(engine, gid) == ("CLOSED", EPOCH, [])

@@ -1317,7 +1317,10 @@ class BreakerMachine(RuleBasedStateMachine):
                 select(mb.c.name, mb.c.local_breaker, mb.c.tripped_epoch, member_live()).where(
                     mb.c.group_id == self.gid
                 ),
-                {"ttl": dt.timedelta(seconds=TTL), **lock_holders(self.reader, self.gid, "")},
+                {
+                    "ttl": dt.timedelta(seconds=TTL),
+                    **lock_holders(self.reader, self.gid, "", ttl=TTL),
+                },
             )
         }
         joined = {p.name: (*p.reported, p.live) for p in self.procs.values() if p.joined}
