@@ -47,7 +47,9 @@ def main() -> int:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rN"]
         cmd.append("tests/chaos/test_topics.py")
         try:
-            code = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.seconds * 1.5 + 300).returncode
+            code = subprocess.run(
+                cmd, cwd=ROOT, env=env, timeout=args.seconds * 1.5 + 300
+            ).returncode
         except subprocess.TimeoutExpired:
             sys.stderr.write(f"still running after {args.seconds * 1.5 + 300:g}s: stopped\n")
             code = 124
