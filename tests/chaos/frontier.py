@@ -138,8 +138,10 @@ class FrontierWatch:
 
     def describe(self) -> str:
         moved = ", ".join(f"{g}={n}" for g, n in sorted(self.advanced.items())) or "none"
+        last = ", ".join(f"{g}=id {pos[1]}" for g, pos in sorted(self._last.items())) or "none"
         return (
             f"frontier watch: samples={self.samples} advances seen: {moved}"
+            f" last positions: {last}"
             f" violations={len(self.violations)} moved_back={len(self.moved_back)}"
             f" errors={len(self.errors)}"
         )
