@@ -6,6 +6,11 @@ publishing transaction is still open. The advance is one statement, so the
 xmin, the resolved/unresolved test and the new frontier all come from one
 snapshot (`docs/decisions/0010-frontier-in-one-statement.md`); it reads only
 the rows it passes (plus one), so its cost follows the change, not the table.
+
+The frontier and the counters are in `group_state`: on Citus it is co-located
+with `delivery`, so the advance and the prune each run as one task on the group's
+node, against that node's snapshot and the xids its rows got there (decision 0023,
+section 5).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from sqlalchemy.sql.selectable import ScalarSelect
 
 from pgq import schema as t
 
-d, g, m, pr = t.delivery, t.consumer_group, t.message, t.probe
+d, g, gs, m, pr = t.delivery, t.consumer_group, t.group_state, t.message, t.probe
 
 MAX_ID = literal_column(str(2**63 - 1), BigInteger)
 
@@ -80,7 +85,7 @@ def advance_frontier() -> Executable:
     one row: `held` (false when another member holds the group row right now: it
     is advancing it) and `pruned`, the done rows passed and deleted.
 
-    From the frontier `here` (the group row, locked, SKIP LOCKED), among rows of
+    From the frontier `here` (the group's state row, locked, SKIP LOCKED), among rows of
     committed transactions (xid below the snapshot's xmin): `stop` is the first
     ready or leased row; `target` the last row before `stop` (before xmin when
     there is none). The frontier moves to `target`, and the done rows it passed
@@ -97,8 +102,8 @@ def advance_frontier() -> Executable:
     """
     gid = bindparam("gid", type_=Integer)
     here = (
-        select(g.c.committed_xid.label("cx"), func.coalesce(g.c.committed_id, ZERO).label("cid"))
-        .where(g.c.id == gid)
+        select(gs.c.committed_xid.label("cx"), func.coalesce(gs.c.committed_id, ZERO).label("cid"))
+        .where(gs.c.group_id == gid)
         .with_for_update(skip_locked=True)
         .cte("here")
     )
@@ -127,10 +132,10 @@ def advance_frontier() -> Executable:
     nx, nid = select(target.c.xid).scalar_subquery(), select(target.c.message_id).scalar_subquery()
     pruned = _prune(past, _position() <= tuple_(nx, nid))
     moved = (
-        update(g)
-        .where(g.c.id == gid, select(target).exists())
-        .values(committed_xid=nx, committed_id=nid, done_pruned=g.c.done_pruned + pruned)
-        .returning(g.c.id)
+        update(gs)
+        .where(gs.c.group_id == gid, select(target).exists())
+        .values(committed_xid=nx, committed_id=nid, done_pruned=gs.c.done_pruned + pruned)
+        .returning(gs.c.group_id)
         .cte("moved")
     )
     return select(select(here).exists().label("held"), pruned.label("pruned")).add_cte(moved)
@@ -151,12 +156,12 @@ def _prune(*where: ColumnElement[bool]) -> ScalarSelect[int]:
 def prune_behind() -> Executable:
     """Prune done rows anywhere behind the frontier of `:gid` (rows a requeue or a
     refund sent back behind it and that finished since); returns the count."""
-    upto = tuple_(d.c.xid, d.c.message_id) <= tuple_(g.c.committed_xid, g.c.committed_id)
-    count = _prune(g.c.id == d.c.group_id, g.c.committed_id.is_not(None), upto)
+    upto = tuple_(d.c.xid, d.c.message_id) <= tuple_(gs.c.committed_xid, gs.c.committed_id)
+    count = _prune(gs.c.group_id == d.c.group_id, gs.c.committed_id.is_not(None), upto)
     return (
-        update(g)
-        .where(g.c.id == bindparam("gid"))
-        .values(done_pruned=g.c.done_pruned + count)
+        update(gs)
+        .where(gs.c.group_id == bindparam("gid"))
+        .values(done_pruned=gs.c.done_pruned + count)
         .returning(count)
     )
 

@@ -58,17 +58,17 @@ def all_group_counts() -> Select[Any]:
 
 
 def _groups() -> Select[Any]:
-    g, tp, b = t.consumer_group, t.topic, t.breaker
+    g, gs, tp, b = t.consumer_group, t.group_state, t.topic, t.breaker
     return select(
         g.c.id,
         g.c.name,
         tp.c.name.label("topic"),
         g.c.created_at,
-        g.c.committed_id,
-        g.c.done_pruned,
-        g.c.reclaimed_total,
-        g.c.released_total,
-        g.c.refunded_total,
+        gs.c.committed_id,
+        gs.c.done_pruned,
+        gs.c.reclaimed_total,
+        gs.c.released_total,
+        gs.c.refunded_total,
         # a group always has its breaker row; the fallbacks only keep status total
         func.coalesce(b.c.state, "CLOSED").label("breaker_state"),
         func.coalesce(b.c.since, g.c.created_at).label("breaker_since"),
@@ -78,7 +78,12 @@ def _groups() -> Select[Any]:
         prober_of(g.c.id).label("breaker_prober"),
         b.c.next_probe_at.label("breaker_next_probe_at"),
         b.c.reconcile_epoch.label("breaker_reconcile_epoch"),
-    ).select_from(g.join(tp, tp.c.id == g.c.topic_id).outerjoin(b, b.c.group_id == g.c.id))
+    ).select_from(
+        g.join(tp, tp.c.id == g.c.topic_id)
+        .join(gs, gs.c.group_id == g.c.id)
+        # on the distribution column, as Citus joins two distributed tables
+        .outerjoin(b, b.c.group_id == gs.c.group_id)
+    )
 
 
 @cache

@@ -67,6 +67,7 @@ def subscribe(
                     f"group {group!r} already exists on topic {existing.topic!r}, not {topic!r}"
                 )
             return
+        conn.execute(q.insert_group_state(), {"gid": group_id})
         conn.execute(q.insert_breaker(), {"gid": group_id})
         if start == "earliest":
             conn.execute(q.backfill_group(), {"gid": group_id, "topic_id": topic_id})

@@ -171,12 +171,10 @@ STATEMENTS = [
         id="drain",
         marks=_xfail("liveness reads pg_locks in distributed subplans (3.1)"),
     ),
+    pytest.param("advance_frontier", frontier.advance_frontier, {}, id="frontier"),
+    pytest.param("prune_behind", frontier.prune_behind, {}, id="prune-behind"),
     pytest.param(
-        "advance_frontier",
-        frontier.advance_frontier,
-        {},
-        id="frontier",
-        marks=_xfail("frontier in a reference table: six distributed subplans"),
+        "add_to_total", lambda: claim.add_to_total("released_total"), {"n": 1}, id="total"
     ),
     pytest.param(
         "reconcile_batch",
@@ -320,10 +318,13 @@ def test_a_purge_runs_audited_and_counts_the_rows_it_keeps():
         assert audited == [("purge", [3, 4], 2, "citus")]
 
 
-@pytest.mark.xfail(strict=True, reason="0023 3.3: a routed statement writes one replica only")
 def test_reconciliation_keeps_the_reference_replicas_equal(cluster: tuple[Engine, int]):
+    """The refund count is written on the group's shard (`group_state`), not into a
+    reference table from a statement routed to one of its replicas (0023 3.3: one
+    replica of `consumer_group` said 2 refunds, the others 0)."""
     engine, gid = cluster
     schema = engine.get_execution_options()["schema_translate_map"][SCHEMA_PLACEHOLDER]
+    state = f'"{schema}".group_state'
     with engine.begin() as conn:
         conn.execute(
             text(
@@ -332,13 +333,24 @@ def test_reconciliation_keeps_the_reference_replicas_equal(cluster: tuple[Engine
             ),
             {"gid": gid},
         )
+        before = conn.scalar(
+            text(f"SELECT refunded_total FROM {state} WHERE group_id = :gid"), {"gid": gid}
+        )
     params = {"gid": gid, "limit": 100, "from_epoch": 0, "close_epoch": 2, "max_refunds": 3}
     with engine.begin() as conn:
         conn.execute(breaker.reconcile_batch(), params)
+        after = conn.scalar(
+            text(f"SELECT refunded_total FROM {state} WHERE group_id = :gid"), {"gid": gid}
+        )
+        conn.execute(
+            text(f"UPDATE {state} SET refunded_total = :n WHERE group_id = :gid"),
+            {"n": before, "gid": gid},
+        )
+    assert after == before + 5  # every row of the group, counted on its shard
     with psycopg.connect(CITUS_DSN) as conn:
-        totals = conn.execute(
+        replicas = conn.execute(
             "SELECT nodeport, result FROM run_command_on_placements(%s,"
-            " 'SELECT sum(refunded_total) FROM %%s')",
+            " 'SELECT md5(string_agg(g::text, '','' ORDER BY id)) FROM %%s g')",
             [f'"{schema}".consumer_group'],
         ).fetchall()
-    assert len({result for _, result in totals}) == 1, totals
+    assert len(replicas) == 3 and len({result for _, result in replicas}) == 1, replicas
