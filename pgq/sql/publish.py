@@ -31,6 +31,13 @@ def lock_topic_for_subscribe() -> Executable:
 
 
 @cache
+def topic_id() -> Executable:
+    """The id of topic `:name` (on Citus, after the topic's advisory lock: a row lock
+    on the reference table `topic` would lock every topic; decision 0023, 3.4)."""
+    return select(t.topic.c.id).where(t.topic.c.name == bindparam("name"))
+
+
+@cache
 def insert_group() -> Executable:
     """Create group `:name` on topic `:topic_id`; returns its id, nothing if it exists."""
     return (
