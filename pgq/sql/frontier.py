@@ -31,6 +31,7 @@ from sqlalchemy import (
     tuple_,
     update,
 )
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import ColumnElement, Executable
 from sqlalchemy.sql.selectable import ScalarSelect
 
@@ -212,7 +213,7 @@ def delete_expired_messages() -> Executable:
     delivery table, measured 0.3-0.5 s a batch at 220k rows against 0.05 s);
     members that expire at once skip each other's candidates (SKIP LOCKED).
     """
-    cutoff = func.now() - bindparam("retention", type_=Interval)
+    cutoff = _cutoff()
     young = m.alias("young")
     first_young = (
         select(young.c.id)
@@ -239,6 +240,84 @@ def delete_expired_messages() -> Executable:
         .scalar_subquery()
     )
     return m.delete().where(m.c.id == any_(func.array(victims))).returning(m.c.id)
+
+
+def _cutoff() -> ColumnElement[Any]:
+    return func.now() - bindparam("retention", type_=Interval)
+
+
+@cache
+def expired_candidates() -> Executable:
+    """Retention on Citus, step 1 of 3 (one task, the topic's shard of `message`):
+    up to `:limit` messages of `:topic_id` after id `:after`, older than
+    `:retention` and below the topic's first young message (as
+    `delete_expired_messages`), in id order, locked FOR UPDATE SKIP LOCKED so that
+    members expiring at once take different ones.
+
+    Runs after the topic's advisory lock, shared (`pgq.sql.locks.topic_key`), in
+    a statement of its own; page after page (`:after`, the last id of the page
+    before) until `:limit` of them are held by no group, as the one statement
+    skips held messages while it fills its batch (a group's dead rows at the head
+    of the topic must not stop retention). The steps run in one transaction: a
+    group can only lose delivery rows meanwhile (its frontier prunes them; a
+    subscribe that would add some waits for the topic lock), so a message found
+    unheld in step 2 stays unheld until step 3 deletes it.
+
+    On one server retention stays `delete_expired_messages`, one statement.
+    Measured there (`pgq.sql.frontier` statements, 50k expired messages, two
+    groups, one holding every tenth; 40 batches of 5,000 each way, interleaved,
+    rolled back; 2 shared cores, load ~4.6; medians of two runs): a batch took
+    73 / 78 ms as one statement (5,000 deleted) and 91 / 102 ms as these steps
+    (one page: 4,500 deleted, the held ones took places in it), ~30 % more per
+    message deleted; with nothing expired 1.1 / 1.7 ms against 0.8 / 1.6 ms.
+    """
+    young = m.alias("young")
+    first_young = (
+        select(young.c.id)
+        .where(young.c.topic_id == bindparam("topic_id"), young.c.created_at >= _cutoff())
+        .order_by(young.c.id)
+        .limit(ONE)
+        .scalar_subquery()
+    )
+    return (
+        select(m.c.id)
+        .where(m.c.topic_id == bindparam("topic_id"), m.c.created_at < _cutoff())
+        .where(m.c.id > bindparam("after", type_=BigInteger))
+        .where(m.c.id < func.coalesce(first_young, MAX_ID))
+        .order_by(m.c.id)
+        .limit(bindparam("limit"))
+        .with_for_update(skip_locked=True)
+    )
+
+
+@cache
+def groups_of_topic() -> Executable:
+    """The ids of topic `:topic_id`'s groups."""
+    return select(g.c.id).where(g.c.topic_id == bindparam("topic_id")).order_by(g.c.id)
+
+
+@cache
+def held_by_group() -> Executable:
+    """Retention on Citus, step 2 (one task per group, on its shard): which of the
+    messages `:ids` group `:gid` still has a delivery row for."""
+    return select(d.c.message_id).where(
+        d.c.group_id == bindparam("gid", type_=Integer),
+        d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
+    )
+
+
+@cache
+def delete_messages() -> Executable:
+    """Retention on Citus, step 3 (one task): delete messages `:ids` of topic
+    `:topic_id`; returns their ids."""
+    return (
+        m.delete()
+        .where(
+            m.c.topic_id == bindparam("topic_id"),
+            m.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
+        )
+        .returning(m.c.id)
+    )
 
 
 @cache

@@ -135,9 +135,11 @@ def advance(engine: Engine, gid: int, to: int) -> int:
     return pruned
 
 
-def expire(engine: Engine, topic_id: int) -> int:
+def expire(engine: Engine, topic_id: int, limit: int = 100) -> int:
+    """One retention batch of `orders` (retention 0: every message has expired)."""
+    store = GroupStore(0, "", "orders", "m1", 30.0, 3)
     with engine.begin() as conn:
-        return GroupStore(0, "", "orders", "m1", 30.0, 3).expire_messages(conn, topic_id, 0.0)
+        return store.expire_messages(conn, topic_id, 0.0, limit)
 
 
 def messages(engine: Engine) -> list[int]:
@@ -155,6 +157,54 @@ def local_xid(conn: Connection, schema: str, gid: int) -> list[bool]:
             {"gid": gid},
         )
     )
+
+
+def test_two_groups_on_two_workers_ack_advance_prune_and_expire():
+    with two_workers() as (engine, a, b):
+        s = schema_of(engine)
+        topic_id = group_info(engine, "a").topic_id
+        with engine.begin() as conn:
+            ids = pgq.publish_many(conn, "orders", [{"n": i} for i in range(4)])
+            # the trigger gave each row the xid of the worker transaction inserting it
+            assert local_xid(conn, s, a) == local_xid(conn, s, b) == [True] * 4
+        first, second, third, last = ids
+
+        ack(engine, a, ids)
+        ack(engine, b, [first, third])
+        with engine.begin() as conn:  # b's second row died: resolved, kept
+            conn.execute(
+                text(
+                    f"UPDATE \"{s}\".delivery SET state = 'dead', error_class = 'message'"
+                    " WHERE group_id = :gid AND message_id = :id"
+                ),
+                {"gid": b, "id": second},
+            )
+        assert advance(engine, a, last) == 4
+        assert advance(engine, b, third) == 2  # past the dead row, up to the ready one
+        assert frontier(engine, a) == (last, 4)
+        assert frontier(engine, b) == (third, 2)
+
+        # b still holds the second (dead) and the last (ready); batches of one: the
+        # second batch pages past the held second message to the third
+        assert expire(engine, topic_id, limit=1) == 1
+        assert messages(engine) == [second, third, last]
+        assert expire(engine, topic_id, limit=1) == 1
+        assert messages(engine) == [second, last]
+        assert expire(engine, topic_id) == 0
+
+        # the dead row comes back and is done behind the frontier: prune_behind
+        ack(engine, b, [second])
+        with engine.begin() as conn:
+            assert GroupStore(b, "b", "orders", "m1", 30.0, 3).prune_behind(conn) == 1
+        assert frontier(engine, b) == (third, 3)
+        assert expire(engine, topic_id) == 1
+        assert messages(engine) == [last]
+
+        ack(engine, b, [last])
+        assert advance(engine, b, last) == 1
+        assert frontier(engine, b) == (last, 4)
+        assert expire(engine, topic_id) == 1
+        assert messages(engine) == []
 
 
 def test_publishing_locks_only_its_own_topic():

@@ -177,6 +177,19 @@ STATEMENTS = [
         "add_to_total", lambda: claim.add_to_total("released_total"), {"n": 1}, id="total"
     ),
     pytest.param(
+        "expired_candidates",
+        frontier.expired_candidates,
+        {"topic_id": 1, "retention": SECOND, "limit": 100, "after": 0},
+        id="retention-candidates",
+    ),
+    pytest.param("held_by_group", frontier.held_by_group, {"ids": [1, 2]}, id="retention-held"),
+    pytest.param(
+        "delete_messages",
+        frontier.delete_messages,
+        {"topic_id": 1, "ids": [1, 2]},
+        id="retention-delete",
+    ),
+    pytest.param(
         "reconcile_batch",
         breaker.reconcile_batch,
         {"limit": 100, "from_epoch": 0, "close_epoch": 2, "max_refunds": 3},
