@@ -80,8 +80,10 @@ def check_group() -> Select[Any]:
             _count_in_state(t.READY).label("ready"),
             _count_in_state(t.LEASED).label("leased"),
         )
-        .select_from(gs.outerjoin(br, br.c.group_id == gs.c.group_id))
-        .where(gs.c.group_id == bindparam("gid", type_=Integer))
+        .select_from(
+            g.outerjoin(gs, gs.c.group_id == g.c.id).outerjoin(br, br.c.group_id == g.c.id)
+        )
+        .where(g.c.id == bindparam("gid", type_=Integer))
     )
 
 
@@ -347,7 +349,7 @@ def message_in_group() -> Select[Any]:
         .select_from(
             m.join(g, and_(g.c.id == gid, g.c.topic_id == m.c.topic_id))
             .join(t.topic, t.topic.c.id == m.c.topic_id)
-            .join(gs, gs.c.group_id == g.c.id)
+            .outerjoin(gs, gs.c.group_id == g.c.id)
             .outerjoin(d, and_(d.c.group_id == g.c.id, d.c.message_id == m.c.id))
             .outerjoin(purge, true())
         )

@@ -65,11 +65,13 @@ def _groups() -> Select[Any]:
         tp.c.name.label("topic"),
         g.c.created_at,
         gs.c.committed_id,
-        gs.c.done_pruned,
-        gs.c.reclaimed_total,
-        gs.c.released_total,
-        gs.c.refunded_total,
-        # a group always has its breaker row; the fallbacks only keep status total
+        # a group always has its state and breaker rows (one subscribed by an earlier
+        # version during an upgrade may lack the state row); the fallbacks only keep
+        # status total
+        func.coalesce(gs.c.done_pruned, 0).label("done_pruned"),
+        func.coalesce(gs.c.reclaimed_total, 0).label("reclaimed_total"),
+        func.coalesce(gs.c.released_total, 0).label("released_total"),
+        func.coalesce(gs.c.refunded_total, 0).label("refunded_total"),
         func.coalesce(b.c.state, "CLOSED").label("breaker_state"),
         func.coalesce(b.c.since, g.c.created_at).label("breaker_since"),
         func.coalesce(b.c.epoch, 0).label("breaker_epoch"),
@@ -80,9 +82,8 @@ def _groups() -> Select[Any]:
         b.c.reconcile_epoch.label("breaker_reconcile_epoch"),
     ).select_from(
         g.join(tp, tp.c.id == g.c.topic_id)
-        .join(gs, gs.c.group_id == g.c.id)
-        # on the distribution column, as Citus joins two distributed tables
-        .outerjoin(b, b.c.group_id == gs.c.group_id)
+        .outerjoin(gs, gs.c.group_id == g.c.id)
+        .outerjoin(b, b.c.group_id == g.c.id)
     )
 
 

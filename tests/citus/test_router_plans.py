@@ -25,7 +25,7 @@ from sqlalchemy.sql import Executable
 
 import pgq
 from pgq.schema import SCHEMA_PLACEHOLDER
-from pgq.sql import breaker, claim, frontier, members, outcomes
+from pgq.sql import admin, breaker, claim, frontier, members, outcomes
 from pgq.store import GroupStore, run_once
 from pgq.store.admin import purge
 
@@ -176,6 +176,7 @@ STATEMENTS = [
     pytest.param(
         "add_to_total", lambda: claim.add_to_total("released_total"), {"n": 1}, id="total"
     ),
+    pytest.param("check_group", admin.check_group, {}, id="check"),
     pytest.param(
         "expired_candidates",
         frontier.expired_candidates,
