@@ -104,7 +104,8 @@ def migrate(engine: Engine, *, distributed: bool = False) -> int:
     With `distributed`, on a Citus coordinator, the tables are then placed on the
     cluster as `pgq.sql.placement` says (tables already placed are left alone); on
     any other server that is an error and nothing is written. Without it the
-    schema is the same on every server.
+    schema is the same on every server, except that a schema placed before is
+    upgraded in place: the tables a migration adds are placed too.
 
     Returns the schema version now installed.
     """
