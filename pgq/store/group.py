@@ -509,7 +509,7 @@ class GroupStore:
             "retention": dt.timedelta(seconds=retention),
             "limit": limit,
         }
-        if not placement.distributed(conn.engine, conn):
+        if not placement.distributed(conn):
             conn.execute(frontier_sql.lock_topic_for_retention(), {"topic_id": topic_id})
             return len(conn.execute(frontier_sql.delete_expired_messages(), params).all())
         key = locks_sql.topic_key(schema_of(conn), self.topic)

@@ -115,7 +115,7 @@ def migrate(engine: Engine, *, distributed: bool = False) -> int:
         if distributed:
             _require_coordinator(conn)
         # a schema placed before is upgraded in place: new tables placed as well
-        distributed = distributed or placement.distributed(engine, conn)
+        distributed = distributed or placement.distributed(conn)
         if distributed:
             conn.execute(place.sequential())
         conn.execute(CreateSchema(schema, if_not_exists=True))

@@ -58,7 +58,7 @@ def subscribe(
     if start not in ("earliest", "latest"):
         raise UsageError(f"invalid start {start!r}: use 'earliest' or 'latest'")
     with wrap_errors(), _transaction(target) as conn:
-        if placement.distributed(conn.engine, conn):
+        if placement.distributed(conn):
             conn.execute(topic_lock(shared=False), {"key": topic_key(schema_of(conn), topic)})
             topic_id = conn.execute(q.topic_id(), {"name": topic}).scalar()
         else:
@@ -190,7 +190,7 @@ def _locked_publish(conn: Connection, params: dict[str, Any]) -> list[int] | Non
     costs the round trips it cost as one statement (measured with a protocol
     trace: BEGIN, the pair, COMMIT). Runs in the connection's transaction.
     """
-    if placement.distributed(conn.engine, conn):
+    if placement.distributed(conn):
         lock_sql, lock_defaults = driver_sql(conn, topic_lock(shared=True))
         lock_params = {**lock_defaults, "key": topic_key(schema_of(conn), params["topic"])}
     else:
