@@ -84,7 +84,8 @@ message = Table(
     Column("payload", JSONB(none_as_null=True), nullable=False),
     Column("headers", JSONB(none_as_null=True)),
     _now_column("created_at"),
-    # the publishing transaction: the committed frontier advances in (xid, id) order
+    # the publishing transaction (`pgq show` places a message without a row against
+    # the frontier by it; the frontier itself reads `delivery.xid`)
     Column("xid", XID8(), nullable=False, server_default=text("pg_current_xact_id()")),
     postgresql_with={"autovacuum_vacuum_scale_factor": "0.02"},
 )
@@ -97,6 +98,14 @@ consumer_group = Table(
     Column("name", Text, nullable=False, unique=True),
     Column("topic_id", Integer, ForeignKey("pgq.topic.id"), nullable=False),
     _now_column("created_at"),
+)
+"""What a group is: nothing here changes after subscribe (on Citus a reference table,
+copied to every node; decision 0023)."""
+
+group_state = Table(
+    "group_state",
+    metadata,
+    Column("group_id", Integer, ForeignKey("pgq.consumer_group.id"), primary_key=True),
     # the contiguity frontier: every delivery row at or below (xid, id) is resolved
     Column("committed_xid", XID8(), nullable=False, server_default=text("'0'::xid8")),
     Column("committed_id", BigInteger),
@@ -105,6 +114,9 @@ consumer_group = Table(
     _counter("released_total"),
     _counter("refunded_total"),
 )
+"""What changes as a group runs: its frontier and running totals (schema version 4).
+On Citus on the group's shard, beside its delivery rows, so that the statements
+writing it are routed there (decision 0023, section 4)."""
 
 lease_token = Sequence("lease_token", metadata=metadata, cache=100)
 """Where lease tokens come from (decision 0004): a member draws a value v once and
@@ -117,7 +129,10 @@ delivery = Table(
     metadata,
     Column("group_id", Integer, nullable=False),
     Column("message_id", BigInteger, nullable=False),
-    Column("xid", XID8(), nullable=False),
+    # the inserting transaction, on the node that holds the row: the frontier
+    # advances in (xid, id) order (on Citus a trigger sets it on the shard: the
+    # default is evaluated on the coordinator; schema version 4)
+    Column("xid", XID8(), nullable=False, server_default=text("pg_current_xact_id()")),
     Column("state", Text, nullable=False, server_default=text("'ready'")),
     Column("available_at", _tstz(), nullable=False, server_default=func.now()),
     Column("attempts", Integer, nullable=False, server_default=text("0")),

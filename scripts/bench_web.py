@@ -108,11 +108,11 @@ CROSS JOIN LATERAL (
         # frontier at the last done row before the first unresolved one; pruned counts
         conn.execute(
             text(
-                f"UPDATE {s}.consumer_group g SET committed_id = f.id, done_pruned = 200000,"
+                f"UPDATE {s}.group_state g SET committed_id = f.id, done_pruned = 200000,"
                 f" reclaimed_total = 1234, released_total = 567, refunded_total = 89"
                 f" FROM (SELECT group_id, min(message_id) - 1 AS id FROM {s}.delivery"
                 f" WHERE state IN ('ready', 'leased') GROUP BY group_id) f"
-                f" WHERE f.group_id = g.id"
+                f" WHERE f.group_id = g.group_id"
             )
         )
         conn.execute(

@@ -44,7 +44,7 @@ from sqlalchemy.sql import ColumnElement, Executable, Insert, Select
 from pgq import schema as t
 from pgq.sql.refunds import charged_within
 
-d, br, g, audit = t.delivery, t.breaker, t.consumer_group, t.audit
+d, br, g, gs, audit = t.delivery, t.breaker, t.consumer_group, t.group_state, t.audit
 
 REQUEUE_ACTION = "requeue"
 """The `audit.action` of a requeue."""
@@ -76,11 +76,13 @@ def check_group() -> Select[Any]:
             func.coalesce(br.c.epoch, 0).label("epoch"),
             br.c.reconcile_epoch,
             br.c.reconcile_from_epoch,
-            g.c.committed_id,
+            gs.c.committed_id,
             _count_in_state(t.READY).label("ready"),
             _count_in_state(t.LEASED).label("leased"),
         )
-        .select_from(g.outerjoin(br, br.c.group_id == g.c.id))
+        .select_from(
+            g.outerjoin(gs, gs.c.group_id == g.c.id).outerjoin(br, br.c.group_id == g.c.id)
+        )
         .where(g.c.id == bindparam("gid", type_=Integer))
     )
 
@@ -313,8 +315,8 @@ def message_in_group() -> Select[Any]:
         .lateral("purge")
     )
     behind = and_(
-        g.c.committed_id.is_not(None),
-        tuple_(m.c.xid, m.c.id) <= tuple_(g.c.committed_xid, g.c.committed_id),
+        gs.c.committed_id.is_not(None),
+        tuple_(m.c.xid, m.c.id) <= tuple_(gs.c.committed_xid, gs.c.committed_id),
     )
     return (
         select(
@@ -347,6 +349,7 @@ def message_in_group() -> Select[Any]:
         .select_from(
             m.join(g, and_(g.c.id == gid, g.c.topic_id == m.c.topic_id))
             .join(t.topic, t.topic.c.id == m.c.topic_id)
+            .outerjoin(gs, gs.c.group_id == g.c.id)
             .outerjoin(d, and_(d.c.group_id == g.c.id, d.c.message_id == m.c.id))
             .outerjoin(purge, true())
         )

@@ -38,7 +38,7 @@ from pgq.sql.locks import pg_locks
 from pgq.sql.members import member_key, member_live
 from pgq.sql.refunds import carries_charges, charged_within
 
-br, hist, mb, d, g = t.breaker, t.breaker_history, t.member, t.delivery, t.consumer_group
+br, hist, mb, d, gs = t.breaker, t.breaker_history, t.member, t.delivery, t.group_state
 pr = t.probe
 
 
@@ -394,10 +394,10 @@ def reconcile_batch() -> Executable:
     )
     n = select(func.count()).select_from(refunded).scalar_subquery()
     counted = (
-        update(g)
-        .where(g.c.id == bindparam("gid"))
-        .values(refunded_total=g.c.refunded_total + n)
-        .returning(g.c.id)
+        update(gs)
+        .where(gs.c.group_id == bindparam("gid"))
+        .values(refunded_total=gs.c.refunded_total + n)
+        .returning(gs.c.group_id)
         .cte("counted")
     )
     return (

@@ -338,10 +338,10 @@ def sweep_expired() -> Executable:
 @cache
 def add_to_total(total: str) -> Executable:
     """Add `:n` to the group's running counter `total` (`released_total`, `reclaimed_total`)."""
-    g = t.consumer_group
-    column = g.c[total]
+    gs = t.group_state
+    column = gs.c[total]
     return (
-        update(g)
-        .where(g.c.id == bindparam("gid"))
+        update(gs)
+        .where(gs.c.group_id == bindparam("gid"))
         .values({column: column + bindparam("n", type_=BigInteger)})
     )

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+from functools import cache
 from typing import Any
 
 from sqlalchemy import (
@@ -84,6 +85,24 @@ def xact_lock(key: int) -> Select[tuple[None]]:
 def xact_lock_shared(key: int) -> Select[tuple[None]]:
     """Wait for a transaction-scoped advisory lock in shared mode (released at commit)."""
     return select(func.pg_advisory_xact_lock_shared(key))
+
+
+def topic_key(schema: str, topic: str) -> int:
+    """The key of topic `topic`'s lock on Citus (`topic_lock`)."""
+    return lock_key(schema, "topic", topic)
+
+
+@cache
+def topic_lock(*, shared: bool) -> Select[tuple[None]]:
+    """Wait for topic `:key`'s lock (`topic_key`) for this transaction, on the
+    coordinator: Citus's replacement for the topic row's lock, which on a reference
+    table locks every topic (decision 0023, 3.4). Publishing and retention take it
+    shared, a subscribe exclusively; each a statement of its own before the writes,
+    so their snapshots are taken once it is held. On one server the row lock stays
+    (`pgq.sql.publish.lock_topic_for_publish`): members of an earlier version take
+    it during an upgrade."""
+    lock = func.pg_advisory_xact_lock_shared if shared else func.pg_advisory_xact_lock
+    return select(lock(bindparam("key", type_=BigInteger)))
 
 
 def breaker_flip_key(schema: str, group: str) -> int:

@@ -8,6 +8,8 @@ statements that place it there. Why this placement: `docs/decisions/0023-citus-p
 
 A distributed table's primary key must contain its distribution column, so on Citus
 `message` and `audit` get keys that lead with it; on one server nothing changes.
+On Citus a trigger gives each delivery row the xid of the worker's transaction that
+inserts it (the column's default is evaluated on the coordinator; 0023, section 5).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ ANCHOR = t.delivery
 
 BY_GROUP: tuple[Table, ...] = (
     t.delivery,
+    t.group_state,
     t.member,
     t.breaker,
     t.breaker_history,
@@ -87,4 +90,48 @@ def primary_key_with(qualified: str, table: Table, columns: tuple[str, ...]) -> 
     return text(
         f'ALTER TABLE {qualified} DROP CONSTRAINT "{key}",'
         f' ADD CONSTRAINT "{key}" PRIMARY KEY ({cols})'
+    )
+
+
+def sequential() -> Executable:
+    """Send this transaction's commands to each node over one connection: a function
+    (the xid trigger's) can be created in a transaction only if no command of it ran
+    over several connections to a node before."""
+    return text("SELECT set_config('citus.multi_shard_modify_mode', 'sequential', true)")
+
+
+XID_TRIGGER = "delivery_local_xid"
+"""The trigger (and its function) that sets `delivery.xid` on the shard."""
+
+
+def create_xid_function(schema: str) -> TextClause:
+    """The trigger function `XID_TRIGGER` in `schema` (quoted): the row's xid is the
+    transaction's on the node that inserts it. It sets a column of the row it is
+    given and reads or writes nothing else (what makes a trigger on shards safe)."""
+    return text(
+        f"CREATE OR REPLACE FUNCTION {schema}.{XID_TRIGGER}() RETURNS trigger"
+        " LANGUAGE plpgsql AS $$BEGIN NEW.xid := pg_current_xact_id(); RETURN NEW; END$$"
+    )
+
+
+def has_xid_trigger() -> Executable:
+    """True when table `:table` (a qualified name) has the xid trigger."""
+    return text(
+        "SELECT EXISTS (SELECT FROM pg_catalog.pg_trigger"
+        " WHERE tgrelid = CAST(:table AS regclass) AND tgname = :trigger)"
+    ).bindparams(trigger=XID_TRIGGER)
+
+
+def allow_triggers() -> Executable:
+    """Let this transaction create a trigger on a distributed table (Citus refuses
+    otherwise: `triggers are not supported on distributed tables`)."""
+    return text("SELECT set_config('citus.enable_unsafe_triggers', 'on', true)")
+
+
+def create_xid_trigger(schema: str, delivery: str) -> TextClause:
+    """Fire `XID_TRIGGER` before each insert into `delivery` (quoted, qualified): on
+    every shard, on the worker that holds it."""
+    return text(
+        f"CREATE TRIGGER {XID_TRIGGER} BEFORE INSERT ON {delivery}"
+        f" FOR EACH ROW EXECUTE FUNCTION {schema}.{XID_TRIGGER}()"
     )

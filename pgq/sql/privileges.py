@@ -55,7 +55,8 @@ CONSUMER_TABLES: dict[str, tuple[str, ...]] = {
     "topic.created_at": ("UPDATE",),  # only to lock: retention locks the topic (FOR KEY SHARE)
     "message": ("SELECT", "DELETE"),  # retention deletes expired ones
     "message.created_at": ("UPDATE",),  # only to lock: retention locks them (FOR UPDATE)
-    "consumer_group": ("SELECT", "UPDATE"),  # the frontier and the running totals
+    "consumer_group": ("SELECT",),  # the groups of the topic (retention)
+    "group_state": ("SELECT", "UPDATE"),  # the frontier and the running totals
     "delivery": ("SELECT", "UPDATE", "DELETE"),  # claims, outcomes, sweep, refunds, pruning
     "member": ("SELECT", "INSERT", "UPDATE", "DELETE"),  # join, heartbeat, leave, forget
     "breaker": ("SELECT", "UPDATE"),  # open on quorum, probe, close
@@ -87,7 +88,8 @@ PRODUCER_SEQUENCES: dict[str, tuple[str, ...]] = {}
 ADMIN_TABLES: dict[str, tuple[str, ...]] = {
     "topic": ("SELECT",),  # groups by name, with their topic
     "message": ("SELECT",),  # show
-    "consumer_group": ("SELECT",),  # groups, frontier, totals
+    "consumer_group": ("SELECT",),  # groups
+    "group_state": ("SELECT",),  # frontier, totals
     "delivery": ("SELECT", "UPDATE", "DELETE"),  # requeue (locks, updates), purge, counts
     "member": ("SELECT",),  # status, members, breaker (who probes)
     "breaker": ("SELECT",),  # status, breaker, check, purge (what a reconciliation owes)
@@ -102,14 +104,26 @@ ADMIN_TABLES: dict[str, tuple[str, ...]] = {
 ADMIN_SEQUENCES: dict[str, tuple[str, ...]] = {}
 """Sequence privileges an administrator needs: none (audit ids are an identity column)."""
 
-PROBE_LOG_CARRIED: dict[str, tuple[str, ...]] = {
-    "INSERT": CONSUMER_TABLES["probe"],
-    "SELECT": ADMIN_TABLES["probe"],
+Carried = dict[tuple[str, str], tuple[str, ...]]
+"""(table, privilege a role holds there) to the privileges it gets on a new table."""
+
+PROBE_LOG_CARRIED: Carried = {
+    ("breaker_history", "INSERT"): CONSUMER_TABLES["probe"],
+    ("breaker_history", "SELECT"): ADMIN_TABLES["probe"],
 }
 """Schema version 3 adds `probe`: a role granted INSERT on `breaker_history` before
 (a consumer's) gets a consumer's privileges on it, one granted SELECT there (an
 administrator, a monitoring role) gets SELECT, so an upgrade keeps every role able
 to do the job it did (decision 0022)."""
+
+GROUP_STATE_CARRIED: Carried = {
+    ("consumer_group", "UPDATE"): CONSUMER_TABLES["group_state"],
+    ("breaker_history", "SELECT"): ADMIN_TABLES["group_state"],
+}
+"""Schema version 4 moves the frontier and the totals from `consumer_group` to
+`group_state`: a role that could update them before (a consumer's) may still, one
+that reads the breaker's history (an administrator, a monitoring role) reads them.
+A producer (SELECT on `consumer_group` only) needs nothing there."""
 
 
 @dataclass(frozen=True, slots=True)

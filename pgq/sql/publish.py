@@ -31,6 +31,13 @@ def lock_topic_for_subscribe() -> Executable:
 
 
 @cache
+def topic_id() -> Executable:
+    """The id of topic `:name` (on Citus, after the topic's advisory lock: a row lock
+    on the reference table `topic` would lock every topic; decision 0023, 3.4)."""
+    return select(t.topic.c.id).where(t.topic.c.name == bindparam("name"))
+
+
+@cache
 def insert_group() -> Executable:
     """Create group `:name` on topic `:topic_id`; returns its id, nothing if it exists."""
     return (
@@ -59,6 +66,12 @@ def insert_breaker() -> Executable:
 
 
 @cache
+def insert_group_state() -> Executable:
+    """The group's state row: frontier at the start, totals 0."""
+    return insert(t.group_state).values(group_id=bindparam("gid"))
+
+
+@cache
 def backfill_group() -> Executable:
     """One ready delivery row in group `:gid` for every retained message of `:topic_id`,
     claimable when the message is (a message published with `delay` keeps it).
@@ -70,6 +83,10 @@ def backfill_group() -> Executable:
     message published while its topic had no group has no such row: its delay
     is not known, and it is available at once.) The lookup reads only ready rows
     not due yet, through the ready index, not the backlog.
+
+    Each row's xid is the subscribing transaction's (the column's default, or on
+    Citus the trigger on the group's shard), in the xid space of the node that
+    holds the row, as the frontier needs.
 
     Runs after `lock_topic_for_subscribe`, in a later statement.
     """
@@ -84,11 +101,10 @@ def backfill_group() -> Executable:
         .cte("due")
     )
     return insert(d).from_select(
-        ["group_id", "message_id", "xid", "available_at"],
+        ["group_id", "message_id", "available_at"],
         select(
             bindparam("gid", type_=Integer),
             m.c.id,
-            m.c.xid,
             func.coalesce(due.c.at, func.now()),
         )
         .select_from(m.outerjoin(due, due.c.message_id == m.c.id))
@@ -124,9 +140,11 @@ def publish_batch() -> Executable:
     the groups it reads are all of them: a subscribe either committed before the
     lock was granted, and this statement's later snapshot sees its group, or it
     waits for this transaction and then backfills what it published). Inserts
-    the messages in input order, one ready delivery row per subscribed group,
-    and notifies `:channel`. Returns one row: the new ids in order (NULL when
-    the topic does not exist).
+    the messages in input order, one ready delivery row per subscribed group
+    (its xid is the inserting transaction's on the node that holds it: the
+    column's default, on Citus the trigger on the shard; not the message's,
+    which on Citus is the coordinator's), and notifies `:channel`. Returns one
+    row: the new ids in order (NULL when the topic does not exist).
     """
     tp, m, g, d = t.topic, t.message, t.consumer_group, t.delivery
     topic_row = select(tp.c.id).where(tp.c.name == bindparam("topic")).cte("topic_row")
@@ -148,15 +166,14 @@ def publish_batch() -> Executable:
             .select_from(topic_row.join(src, true()))
             .order_by(src.c.ord),
         )
-        .returning(m.c.id, m.c.xid)
+        .returning(m.c.id)
         .cte("new_messages")
     )
     deliveries = insert(d).from_select(
-        ["group_id", "message_id", "xid", "available_at"],
+        ["group_id", "message_id", "available_at"],
         select(
             g.c.id,
             new_messages.c.id,
-            new_messages.c.xid,
             func.now() + bindparam("delay", type_=Interval),
         )
         .select_from(new_messages.join(g, true()))

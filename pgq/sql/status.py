@@ -57,24 +57,30 @@ def all_group_counts() -> Select[Any]:
 
 
 def _groups() -> Select[Any]:
-    g, tp, b = t.consumer_group, t.topic, t.breaker
+    g, gs, tp, b = t.consumer_group, t.group_state, t.topic, t.breaker
     return select(
         g.c.id,
         g.c.name,
         tp.c.name.label("topic"),
         g.c.created_at,
-        g.c.committed_id,
-        g.c.done_pruned,
-        g.c.reclaimed_total,
-        g.c.released_total,
-        g.c.refunded_total,
-        # a group always has its breaker row; the fallbacks only keep status total
+        gs.c.committed_id,
+        # a group always has its state and breaker rows (one subscribed by an earlier
+        # version during an upgrade may lack the state row); the fallbacks only keep
+        # status total
+        func.coalesce(gs.c.done_pruned, 0).label("done_pruned"),
+        func.coalesce(gs.c.reclaimed_total, 0).label("reclaimed_total"),
+        func.coalesce(gs.c.released_total, 0).label("released_total"),
+        func.coalesce(gs.c.refunded_total, 0).label("refunded_total"),
         func.coalesce(b.c.state, "CLOSED").label("breaker_state"),
         func.coalesce(b.c.since, g.c.created_at).label("breaker_since"),
         func.coalesce(b.c.epoch, 0).label("breaker_epoch"),
         b.c.next_probe_at.label("breaker_next_probe_at"),
         b.c.reconcile_epoch.label("breaker_reconcile_epoch"),
-    ).select_from(g.join(tp, tp.c.id == g.c.topic_id).outerjoin(b, b.c.group_id == g.c.id))
+    ).select_from(
+        g.join(tp, tp.c.id == g.c.topic_id)
+        .outerjoin(gs, gs.c.group_id == g.c.id)
+        .outerjoin(b, b.c.group_id == g.c.id)
+    )
 
 
 @cache

@@ -26,10 +26,12 @@ from pgq.records import BreakerView, Claimed, DrainState, Lease, Message, Outcom
 from pgq.sql import breaker as breaker_sql
 from pgq.sql import claim as claim_sql
 from pgq.sql import frontier as frontier_sql
+from pgq.sql import locks as locks_sql
 from pgq.sql import members as member_sql
 from pgq.sql import outcomes as outcome_sql
 from pgq.sql import stats as stats_sql
 from pgq.sql.locks import breaker_flip_key, lock_key, try_xact_lock, xact_lock
+from pgq.store import placement
 from pgq.store.connections import run_hot
 from pgq.store.engine import schema_of
 from pgq.store.members import lock_holders, member_table
@@ -596,17 +598,53 @@ class GroupStore:
     def expire_messages(
         self, conn: Connection, topic_id: int, retention: float, limit: int = EXPIRE_BATCH
     ) -> int:
-        """Delete one batch of messages past retention that no group still holds.
+        """Delete one batch of messages past retention that no group still holds;
+        returns how many.
 
         Takes the topic lock first, in its own statement, so that retention and a
-        subscribe's backfill never race (see `lock_topic_for_retention`).
+        subscribe's backfill never race (see `lock_topic_for_retention`). On Citus
+        that lock is the coordinator's advisory lock (a row lock on the reference
+        table `topic` would lock every topic), and the delete is three routed steps
+        (`expired_candidates`, `held_by_group` per group, `delete_messages`): the
+        one statement joins `message` and `delivery`, which Citus refuses.
         """
-        conn.execute(frontier_sql.lock_topic_for_retention(), {"topic_id": topic_id})
-        rows = conn.execute(
-            frontier_sql.delete_expired_messages(),
-            {"topic_id": topic_id, "retention": dt.timedelta(seconds=retention), "limit": limit},
-        ).all()
-        return len(rows)
+        params = {
+            "topic_id": topic_id,
+            "retention": dt.timedelta(seconds=retention),
+            "limit": limit,
+        }
+        if not placement.distributed(conn):
+            conn.execute(frontier_sql.lock_topic_for_retention(), {"topic_id": topic_id})
+            return len(conn.execute(frontier_sql.delete_expired_messages(), params).all())
+        key = locks_sql.topic_key(schema_of(conn), self.topic)
+        conn.execute(locks_sql.topic_lock(shared=True), {"key": key})
+        conn.execute(frontier_sql.without_jit())
+        groups = conn.execute(frontier_sql.groups_of_topic(), params).scalars().all()
+        free: list[int] = []
+        after = 0
+        while len(free) < limit:
+            page = conn.execute(frontier_sql.expired_candidates(), {**params, "after": after})
+            ids = list(page.scalars())
+            if not ids:
+                break
+            after = ids[-1]
+            free += self._unheld(conn, groups, ids)
+        if not free:
+            return 0
+        victims = {"topic_id": topic_id, "ids": free[:limit]}
+        return len(conn.execute(frontier_sql.delete_messages(), victims).all())
+
+    @staticmethod
+    def _unheld(conn: Connection, groups: Iterable[int], ids: list[int]) -> list[int]:
+        """Of messages `ids`, those none of `groups` has a delivery row for: one
+        routed statement per group, until none is left."""
+        left = set(ids)
+        for gid in groups:
+            if not left:
+                break
+            held = conn.execute(frontier_sql.held_by_group(), {"gid": gid, "ids": sorted(left)})
+            left.difference_update(held.scalars())
+        return sorted(left)
 
     def expire_probes(self, conn: Connection, retention: float, limit: int = EXPIRE_BATCH) -> int:
         """Delete one batch of this group's logged probes older than `retention`

@@ -18,11 +18,13 @@ from sqlalchemy.schema import CreateSchema
 from pgq import schema as t
 from pgq.errors import PgqError, UsageError
 from pgq.sql import placement as place
+from pgq.sql import privileges as privileges_sql
+from pgq.sql import upgrade
 from pgq.sql.locks import lock_key, xact_lock
 from pgq.store import placement
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
-from pgq.store.privileges import carry_grants_to_probe_log
+from pgq.store.privileges import carry_grants
 
 logger = logging.getLogger(__name__)
 
@@ -48,14 +50,42 @@ def _v3_probe_log(conn: Connection) -> None:
     # install already has it from version 1 (the tables as declared). Roles
     # granted a job before keep being able to do it (decision 0022).
     t.probe.create(conn, checkfirst=True)
-    for statement in carry_grants_to_probe_log(conn):
+    _granted(conn, carry_grants(conn, t.probe.name, privileges_sql.PROBE_LOG_CARRIED))
+
+
+def _v4_group_state(conn: Connection) -> None:
+    # The frontier and the running totals move out of `consumer_group` into
+    # `group_state` (on Citus on the group's shard; decision 0023, section 4), and
+    # a delivery row's xid comes from the transaction that inserts it, not from
+    # its message. A fresh install has both from version 1 (the tables as declared).
+    t.group_state.create(conn, checkfirst=True)
+    schema = schema_of(conn)
+    params = {"schema": schema, "table": t.consumer_group.name}
+    columns = set(conn.execute(upgrade.columns_of(), params).scalars())
+    moved = [c.name for c in t.group_state.c if c.name != "group_id"]
+    if set(moved) <= columns:
+        conn.execute(upgrade.copy_group_state(moved))
+        conn.execute(upgrade.drop_columns(_qualified(conn, t.consumer_group), moved))
+    conn.execute(upgrade.delivery_xid_default(_qualified(conn, t.delivery)))
+    _granted(conn, carry_grants(conn, t.group_state.name, privileges_sql.GROUP_STATE_CARRIED))
+
+
+def _granted(conn: Connection, statements: list[str]) -> None:
+    for statement in statements:
         logger.info("migration granted schema=%s statement=%s", schema_of(conn), statement)
+
+
+def _qualified(conn: Connection, table: Table) -> str:
+    """`table`'s schema-qualified name in `conn`'s schema, quoted."""
+    prep = conn.dialect.identifier_preparer
+    return f"{prep.quote_schema(schema_of(conn))}.{prep.quote(table.name)}"
 
 
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection], None]], ...] = (
     (1, "initial tables", _v1_initial),
     (2, "index of the rows an outage charged", _v2_charged_index),
     (3, "the probe log", _v3_probe_log),
+    (4, "group state apart from the group, delivery xid from its insert", _v4_group_state),
 )
 LATEST = MIGRATIONS[-1][0]
 
@@ -74,7 +104,8 @@ def migrate(engine: Engine, *, distributed: bool = False) -> int:
     With `distributed`, on a Citus coordinator, the tables are then placed on the
     cluster as `pgq.sql.placement` says (tables already placed are left alone); on
     any other server that is an error and nothing is written. Without it the
-    schema is the same on every server.
+    schema is the same on every server, except that a schema placed before is
+    upgraded in place: the tables a migration adds are placed too.
 
     Returns the schema version now installed.
     """
@@ -83,6 +114,10 @@ def migrate(engine: Engine, *, distributed: bool = False) -> int:
         conn.execute(xact_lock(lock_key(schema, "migrate")))
         if distributed:
             _require_coordinator(conn)
+        # a schema placed before is upgraded in place: new tables placed as well
+        distributed = distributed or placement.distributed(conn)
+        if distributed:
+            conn.execute(place.sequential())
         conn.execute(CreateSchema(schema, if_not_exists=True))
         version = _upgrade(conn, schema)
         if distributed:
@@ -155,10 +190,13 @@ def _distribute(conn: Connection, schema: str) -> None:
                     "colocate_with": "default" if table is place.ANCHOR else colocate_with,
                 },
             )
+    if not conn.execute(place.has_xid_trigger(), {"table": name(t.delivery)}).scalar():
+        conn.execute(place.create_xid_function(prep.quote_schema(schema)))
+        conn.execute(place.allow_triggers())
+        conn.execute(place.create_xid_trigger(prep.quote_schema(schema), name(t.delivery)))
     logger.info("tables distributed schema=%s", schema)
     logger.warning(
-        "pgq does not run on Citus yet schema=%s: the tables are placed, but claims,"
-        " probes, pruning and retention fail there and liveness and the frontier are"
-        " wrong (docs/decisions/0023-citus-placement.md)",
+        "pgq does not run on Citus yet schema=%s: the tables are placed, but claims and"
+        " probes fail there and liveness is wrong (docs/decisions/0023-citus-placement.md)",
         schema,
     )

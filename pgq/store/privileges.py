@@ -137,16 +137,17 @@ def _named(schema: str, job: str, rows: list[tuple[str, str]]) -> str:
     )
 
 
-def carry_grants_to_probe_log(conn: Connection) -> list[str]:
-    """Schema version 3: grant on `probe` what each role's privileges on
-    `breaker_history` say its job is (`PROBE_LOG_CARRIED`); returns the statements
-    run. Runs in the migration's transaction, as the role that runs `pgq init`."""
+def carry_grants(conn: Connection, table: str, carried: privileges_sql.Carried) -> list[str]:
+    """Grant on the new `table` what each role's privileges on older tables say its
+    job is (`carried`: `PROBE_LOG_CARRIED`, `GROUP_STATE_CARRIED`); returns the
+    statements run. Runs in a migration's transaction, as the role that runs
+    `pgq init`."""
     schema = schema_of(conn)
     statements = []
-    for had, privileges in privileges_sql.PROBE_LOG_CARRIED.items():
-        params = {"schema": schema, "table": "breaker_history", "privilege": had}
+    for (had_on, had), privileges in carried.items():
+        params = {"schema": schema, "table": had_on, "privilege": had}
         for role in conn.execute(privileges_sql.grantees(), params).scalars():
-            grant = privileges_sql.grant_statement("TABLE", schema, "probe", privileges, role)
+            grant = privileges_sql.grant_statement("TABLE", schema, table, privileges, role)
             statements.append(grant.as_string(None))
     driver = conn.connection.driver_connection
     assert driver is not None

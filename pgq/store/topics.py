@@ -16,6 +16,8 @@ from pgq.errors import InvalidPayload, PermissionDenied, UnknownGroup, UnknownTo
 from pgq.names import check_name
 from pgq.records import GroupInfo
 from pgq.sql import publish as q
+from pgq.sql.locks import topic_key, topic_lock
+from pgq.store import placement
 from pgq.store.connections import driver_sql
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
@@ -56,7 +58,11 @@ def subscribe(
     if start not in ("earliest", "latest"):
         raise UsageError(f"invalid start {start!r}: use 'earliest' or 'latest'")
     with wrap_errors(), _transaction(target) as conn:
-        topic_id = conn.execute(q.lock_topic_for_subscribe(), {"name": topic}).scalar()
+        if placement.distributed(conn):
+            conn.execute(topic_lock(shared=False), {"key": topic_key(schema_of(conn), topic)})
+            topic_id = conn.execute(q.topic_id(), {"name": topic}).scalar()
+        else:
+            topic_id = conn.execute(q.lock_topic_for_subscribe(), {"name": topic}).scalar()
         if topic_id is None:
             raise UnknownTopic(f"unknown topic {topic!r}")
         group_id = conn.execute(q.insert_group(), {"name": group, "topic_id": topic_id}).scalar()
@@ -67,6 +73,7 @@ def subscribe(
                     f"group {group!r} already exists on topic {existing.topic!r}, not {topic!r}"
                 )
             return
+        conn.execute(q.insert_group_state(), {"gid": group_id})
         conn.execute(q.insert_breaker(), {"gid": group_id})
         if start == "earliest":
             conn.execute(q.backfill_group(), {"gid": group_id, "topic_id": topic_id})
@@ -176,12 +183,19 @@ def _locked_publish(conn: Connection, params: dict[str, Any]) -> list[int] | Non
     """Lock the topic, then publish: two statements, sent together.
 
     Two statements because the insert must take its snapshot after the topic
-    lock is granted (see `q.lock_topic_for_publish`); sent together because
+    lock is granted (see `q.lock_topic_for_publish`; on Citus the lock is the
+    coordinator's advisory lock on the topic, shared, as
+    `pgq.sql.locks.topic_key` says); sent together because
     psycopg's pipeline writes both before it reads a result, so publishing
     costs the round trips it cost as one statement (measured with a protocol
     trace: BEGIN, the pair, COMMIT). Runs in the connection's transaction.
     """
-    lock_sql, lock_defaults = driver_sql(conn, q.lock_topic_for_publish())
+    if placement.distributed(conn):
+        lock_sql, lock_defaults = driver_sql(conn, topic_lock(shared=True))
+        lock_params = {**lock_defaults, "key": topic_key(schema_of(conn), params["topic"])}
+    else:
+        lock_sql, lock_defaults = driver_sql(conn, q.lock_topic_for_publish())
+        lock_params = {**lock_defaults, "topic": params["topic"]}
     sql, defaults = driver_sql(conn, q.publish_batch())
     if not conn.in_transaction():
         conn.begin()  # what SQLAlchemy's autobegin would do: the caller's commit() ends it
@@ -189,7 +203,7 @@ def _locked_publish(conn: Connection, params: dict[str, Any]) -> list[int] | Non
     assert driver is not None
     with driver.cursor() as lock, driver.cursor() as cur:
         with driver.pipeline() if psycopg.Pipeline.is_supported() else contextlib.nullcontext():
-            lock.execute(lock_sql, {**lock_defaults, "topic": params["topic"]})
+            lock.execute(lock_sql, lock_params)
             cur.execute(sql, {**defaults, **params})
         row = cur.fetchone()  # after the pipeline's sync: both results are in
     return None if row is None or row[0] is None else list(row[0])

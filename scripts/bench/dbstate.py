@@ -24,7 +24,9 @@ def db_counts(dsn: str, schema: str = SCHEMA, group: str = GROUP) -> dict[str, i
     and the same seen through `pgq.status` (`pgq status GROUP --json`)."""
     with psycopg.connect(dsn) as c:
         gid, pruned = c.execute(
-            f"SELECT id, done_pruned FROM {schema}.consumer_group WHERE name = %s", (group,)
+            f"SELECT g.id, s.done_pruned FROM {schema}.consumer_group g"
+            f" JOIN {schema}.group_state s ON s.group_id = g.id WHERE g.name = %s",
+            (group,),
         ).fetchone()
         done, done_distinct, ready, leased, dead = c.execute(
             f"SELECT count(*) FILTER (WHERE state = 'done'),"

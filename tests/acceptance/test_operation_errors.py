@@ -302,7 +302,7 @@ def test_a_privilege_revoked_while_it_runs_is_exit_2(orders, pgq_env, tmp_path, 
         try:
             wait_until(lambda: pgq.status(orders, "billing")["members"], 15, "the member to join")
             with orders.begin() as conn:  # the frontier task updates it every second
-                conn.exec_driver_sql(f'REVOKE UPDATE ON "{schema}".consumer_group FROM "{role}"')
+                conn.exec_driver_sql(f'REVOKE UPDATE ON "{schema}".group_state FROM "{role}"')
             code, _, err = finish(proc, 20)
         finally:
             if proc.poll() is None:
@@ -311,4 +311,4 @@ def test_a_privilege_revoked_while_it_runs_is_exit_2(orders, pgq_env, tmp_path, 
     assert code == 2, err
     assert "Traceback" not in err, err
     last = err.splitlines()[-1]
-    assert last.startswith("pgq: error: ") and f"UPDATE on {schema}.consumer_group" in last, err
+    assert last.startswith("pgq: error: ") and f"UPDATE on {schema}.group_state" in last, err

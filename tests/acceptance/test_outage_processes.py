@@ -392,9 +392,9 @@ def test_next_prober_does_not_finish_while_a_killed_probers_batch_still_runs(
         return [pid for (pid,) in found.fetchall()]
 
     try:
-        # the group row: a refund batch updates its `refunded` total after its rows
+        # the group's state row: a refund batch updates its `refunded` total after its rows
         holder.execute(
-            f'SELECT 1 FROM "{schema}".consumer_group WHERE id = %s FOR NO KEY UPDATE',
+            f'SELECT 1 FROM "{schema}".group_state WHERE group_id = %s FOR NO KEY UPDATE',
             (reconciliation.params["gid"],),
         )
         (members.out / "down").unlink()

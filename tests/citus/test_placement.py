@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from fixtures.released import restore
 from helpers import invoke
 from psycopg import sql
 
@@ -34,7 +35,7 @@ pytestmark = [
     ),
 ]
 
-BY_GROUP = ("delivery", "member", "breaker", "breaker_history", "probe", "audit")
+BY_GROUP = ("delivery", "group_state", "member", "breaker", "breaker_history", "probe", "audit")
 REFERENCE = ("schema_version", "topic", "consumer_group")
 
 _names = itertools.count()
@@ -96,6 +97,13 @@ def assert_placed(schema: str) -> None:
     assert placed["message"]["colocation"] != placed["delivery"]["colocation"]
     assert primary_key(schema, "message") == "PRIMARY KEY (topic_id, id)"
     assert primary_key(schema, "audit") == "PRIMARY KEY (group_id, id)"
+    # a delivery row's xid is set on its worker (0023, section 5)
+    with psycopg.connect(CITUS_DSN) as conn:
+        triggers = conn.execute(
+            "SELECT tgname FROM pg_trigger WHERE tgrelid = to_regclass(%s) AND NOT tgisinternal",
+            [f"{schema}.delivery"],
+        ).fetchall()
+    assert triggers == [("delivery_local_xid",)]
 
 
 def test_init_distributed_places_every_table(citus_schema: str):
@@ -166,5 +174,65 @@ def test_distributed_on_a_worker_is_refused(citus_schema: str):
     try:
         with pytest.raises(UsageError, match="this node is a worker"):
             pgq.migrate(engine, distributed=True)
+    finally:
+        engine.dispose()
+
+
+def test_a_distributed_version_3_is_upgraded_in_place(citus_schema: str):
+    """A schema version 3 placed (no `group_state`, no xid trigger) is upgraded by a
+    plain `pgq init`: the group's frontier and totals move to `group_state`, which is
+    placed with the group's rows, and delivery rows get their worker's xid."""
+    restore(CITUS_DSN, citus_schema, 3)
+    s = sql.Identifier(citus_schema)
+    with psycopg.connect(CITUS_DSN, autocommit=True) as conn:
+        conn.execute(sql.SQL("INSERT INTO {}.topic (name) VALUES ('t')").format(s))
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.consumer_group (name, topic_id, committed_id, done_pruned,"
+                " refunded_total) SELECT 'g', id, 7, 7, 3 FROM {}.topic"
+            ).format(s, s)
+        )
+        conn.execute(
+            sql.SQL("INSERT INTO {}.breaker (group_id) SELECT id FROM {}.consumer_group").format(
+                s, s
+            )
+        )
+        # as version 3's `pgq init --distributed` placed it
+        for table in REFERENCE:
+            conn.execute("SELECT create_reference_table(%s)", [f"{citus_schema}.{table}"])
+        for table, key in (("message", "topic_id"), ("audit", "group_id")):
+            conn.execute(
+                sql.SQL(
+                    "ALTER TABLE {}.{} DROP CONSTRAINT {}, ADD CONSTRAINT {} PRIMARY KEY ({}, id)"
+                ).format(
+                    s,
+                    sql.Identifier(table),
+                    sql.Identifier(f"{table}_pkey"),
+                    sql.Identifier(f"{table}_pkey"),
+                    sql.Identifier(key),
+                )
+            )
+        delivery = f"{citus_schema}.delivery"
+        conn.execute("SELECT create_distributed_table(%s, 'group_id')", [delivery])
+        for table in BY_GROUP[2:]:
+            conn.execute(
+                "SELECT create_distributed_table(%s, 'group_id', colocate_with => %s)",
+                [f"{citus_schema}.{table}", delivery],
+            )
+        conn.execute(
+            "SELECT create_distributed_table(%s, 'topic_id', colocate_with => 'none')",
+            [f"{citus_schema}.message"],
+        )
+    engine = pgq.connect(CITUS_DSN, schema=citus_schema, pool_size=None)
+    try:
+        assert pgq.migrate(engine) == LATEST
+        assert_placed(citus_schema)
+        with psycopg.connect(CITUS_DSN) as conn:
+            state = conn.execute(
+                sql.SQL(
+                    "SELECT committed_id, done_pruned, refunded_total FROM {}.group_state"
+                ).format(s)
+            ).fetchall()
+        assert state == [(7, 7, 3)]
     finally:
         engine.dispose()

@@ -228,7 +228,7 @@ def test_a_role_granted_by_an_earlier_pgq_still_starts(orders, as_role, schema):
 @pytest.mark.parametrize(
     ("table", "meets_it"),
     [
-        ("consumer_group", "a maintenance task (the frontier updates it every second)"),
+        ("group_state", "a maintenance task (the frontier updates it every second)"),
         # failed on ac05858: met by the fetcher (no claim can lock a row), the refusal
         # crashed the thread (a traceback; run() returned as if signalled)
         ("delivery", "the fetcher, woken by a publish"),

@@ -105,7 +105,7 @@ POISON_PROBES_PER_ROW = MAX_ATTEMPTS + MAX_RECLAIMS + 2
 """How often one poison row may be probed, while a healthy candidate waits, before
 the group closes (see `_claim_probe`)."""
 
-d, mb, br, hist, g = t.delivery, t.member, t.breaker, t.breaker_history, t.consumer_group
+d, mb, br, hist, gs = t.delivery, t.member, t.breaker, t.breaker_history, t.group_state
 _examples = itertools.count()
 
 SEEN: Counter[str] = Counter()
@@ -1305,8 +1305,8 @@ class BreakerMachine(RuleBasedStateMachine):
         ]
         assert history == self.history, f"history {history}, model {self.history}"
         totals = self.reader.execute(
-            select(g.c.reclaimed_total, g.c.released_total, g.c.refunded_total).where(
-                g.c.id == self.gid
+            select(gs.c.reclaimed_total, gs.c.released_total, gs.c.refunded_total).where(
+                gs.c.group_id == self.gid
             )
         ).one()
         expected = (self.totals["reclaimed"], self.totals["released"], self.totals["refunded"])

@@ -91,7 +91,7 @@ MAX_OPEN = 2
 JOIN = 30.0
 LOST_LEASE = "lease expired without an outcome too often"
 
-d, m, g = t.delivery, t.message, t.consumer_group
+d, m, g, gs = t.delivery, t.message, t.consumer_group, t.group_state
 _examples = itertools.count()
 
 SEEN: Counter[str] = Counter()
@@ -459,10 +459,18 @@ class DeliveryMachine(RuleBasedStateMachine):
             member: GroupStore(gid, name, topic, member, LEASE, MAX_RECLAIMS) for member in MEMBERS
         }
         self.groups[name] = Group(name, gid, topic, start, self._tick(), stores)
-        if start == "earliest":
-            for msg in self.messages.values():
-                if msg.topic == topic:
-                    self.rows[gid, msg.id] = Row(msg.xid, delayed=msg.delayed)
+        backfilled = [msg for msg in self.messages.values() if msg.topic == topic]
+        if start == "earliest" and backfilled:
+            # each row carries the xid of the transaction that inserted it: the subscribe's
+            ids = [msg.id for msg in backfilled]
+            xids = self.reader.scalars(
+                select(cast(d.c.xid, Text))
+                .where(d.c.group_id == gid, d.c.message_id.in_(ids))
+                .distinct()
+            ).all()
+            assert len(xids) == 1, f"one backfill, several transactions: {xids}"
+            for msg in backfilled:
+                self.rows[gid, msg.id] = Row(int(xids[0]), delayed=msg.delayed)
 
     def _settle_subscribes(self) -> None:
         """Finish the waiting subscribes that no open transaction holds back any more."""
@@ -871,7 +879,9 @@ class DeliveryMachine(RuleBasedStateMachine):
         with self._tx() as conn:
             pruned = grp.stores["A"].advance_frontier(conn)
             cx, cid = conn.execute(
-                select(cast(g.c.committed_xid, Text), g.c.committed_id).where(g.c.id == grp.gid)
+                select(cast(gs.c.committed_xid, Text), gs.c.committed_id).where(
+                    gs.c.group_id == grp.gid
+                )
             ).one()
         after = self._xmin()
         assert pruned is not None, "nobody else holds the group row"
@@ -881,7 +891,7 @@ class DeliveryMachine(RuleBasedStateMachine):
             f"frontier {old} -> {new}; the xmin allowed {low} (before) .. {high} (after)"
         )
         if new != old:
-            assert self.messages[new[1]].xid == new[0], "the frontier names its message's xid"
+            assert self.rows[grp.gid, new[1]].xid == new[0], "the frontier names its row's xid"
             note("frontier moved")
         elif self._reach(grp, XID_MAX) != old:
             note("frontier held by the xmin")
@@ -977,9 +987,9 @@ class DeliveryMachine(RuleBasedStateMachine):
         groups = {
             name: (gid, (int(cx), cid or 0))
             for gid, name, cx, cid in self.reader.execute(
-                select(g.c.id, g.c.name, cast(g.c.committed_xid, Text), g.c.committed_id).where(
-                    g.c.topic_id.in_(topic_ids)
-                )
+                select(g.c.id, g.c.name, cast(gs.c.committed_xid, Text), gs.c.committed_id)
+                .join(gs, gs.c.group_id == g.c.id)
+                .where(g.c.topic_id.in_(topic_ids))
             )
         }
         orphans = sorted(key for key, row in rows.items() if not row[-1])

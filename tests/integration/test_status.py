@@ -76,8 +76,8 @@ def test_counts_states_totals_and_dead_rows(billing):
             )
         )
         conn.execute(
-            update(g)
-            .where(g.c.id == gid)
+            update(t.group_state)
+            .where(t.group_state.c.group_id == gid)
             .values(done_pruned=10, reclaimed_total=1, released_total=2, refunded_total=3)
         )
     s = st.status(billing, "billing")

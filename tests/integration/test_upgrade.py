@@ -26,12 +26,20 @@ from pgq.store.privileges import require_privileges
 
 
 @pytest.fixture(params=RELEASED, ids=lambda v: f"v{v}")
-def released(request: pytest.FixtureRequest, pg_dsn: str, schema: str) -> Iterator[Engine]:
-    """The test's schema as an earlier version released it, with group `g` on topic `t`."""
-    restore(pg_dsn, schema, request.param)
+def version(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
+@pytest.fixture
+def released(version: int, pg_dsn: str, schema: str) -> Iterator[Engine]:
+    """The test's schema as an earlier version released it, with group `g` on topic `t`
+    as that version subscribed it (its own statements: today's need today's schema)."""
+    restore(pg_dsn, schema, version)
     engine = pgq.connect(pg_dsn, schema=schema)
-    pgq.create_topic(engine, "t")
-    pgq.subscribe(engine, "g", "t")
+    s = f'"{schema}"'
+    sql(engine, f"INSERT INTO {s}.topic (name) VALUES ('t')")
+    sql(engine, f"INSERT INTO {s}.consumer_group (name, topic_id) SELECT 'g', id FROM {s}.topic")
+    sql(engine, f"INSERT INTO {s}.breaker (group_id) SELECT id FROM {s}.consumer_group")
     yield engine
     engine.dispose()
 
@@ -45,9 +53,44 @@ def sql(engine: Engine, statement: str, **params: object) -> None:
         conn.execute(text(statement), params)
 
 
+def publish_as_released(engine: Engine, schema: str, n: int) -> list[int]:
+    """Publish `n` messages to `t` in one transaction as versions 1-3 did: each
+    delivery row copies its message's xid."""
+    s = f'"{schema}"'
+    with engine.begin() as conn:
+        ids = conn.scalars(
+            text(
+                f"INSERT INTO {s}.message (topic_id, payload)"
+                f" SELECT tp.id, jsonb_build_object('i', i) FROM {s}.topic tp,"
+                " generate_series(1, :n) i ORDER BY i RETURNING id"
+            ),
+            {"n": n},
+        ).all()
+        conn.execute(
+            text(
+                f"INSERT INTO {s}.delivery (group_id, message_id, xid)"
+                f" SELECT g.id, m.id, m.xid FROM {s}.message m, {s}.consumer_group g"
+                " WHERE m.id = ANY(:ids)"
+            ),
+            {"ids": list(ids)},
+        )
+    return sorted(ids)
+
+
 def test_init_upgrades_a_database_in_use_and_it_drains(released: Engine, schema: str):
     s = f'"{schema}".delivery'
-    ids = pgq.publish_many(released, "t", [{"i": i} for i in range(40)])
+    # two messages the group finished and pruned before the upgrade, with the
+    # frontier and the running totals the earlier version kept on the group row
+    pruned = publish_as_released(released, schema, 2)
+    sql(released, f"DELETE FROM {s}")
+    sql(
+        released,
+        f'UPDATE "{schema}".consumer_group SET committed_xid = m.xid, committed_id = m.id,'
+        " done_pruned = 2, reclaimed_total = 5, released_total = 7, refunded_total = 11"
+        f' FROM "{schema}".message m WHERE m.id = :last',
+        last=pruned[-1],
+    )
+    ids = publish_as_released(released, schema, 40)
     ready, leased, retrying, outage, poison = (ids[i : i + 8] for i in range(0, 40, 8))
     # what an earlier version left: a member died holding leases; retries waiting (a
     # message failure, and a snooze after a systemic failure, which version 1 kept
@@ -96,8 +139,13 @@ def test_init_upgrades_a_database_in_use_and_it_drains(released: Engine, schema:
     with released.connect() as conn:
         versions = conn.execute(text(f'SELECT version FROM "{schema}".schema_version')).scalars()
         assert sorted(versions) == list(range(1, LATEST + 1))
-        for added in ("delivery_charged_idx", "probe", "probe_at_idx"):  # versions 2, 3
+        for added in ("delivery_charged_idx", "probe", "probe_at_idx", "group_state"):
             assert conn.scalar(text(f"SELECT to_regclass('\"{schema}\".{added}')")), added
+    # version 4: the frontier and the totals moved to group_state, as they were
+    before = pgq.status(released, "g")
+    assert before["committed"] == pruned[-1]
+    assert before["counts"]["done"] == 2
+    assert before["totals"] == {"reclaimed": 5, "released": 7, "refunded": 11}
     state, line = monitor.check(released, "g")
     assert (state, line.split(";")[0]) == ("CRITICAL", "CRITICAL: 8 dead rows (8 message)")
 
@@ -117,43 +165,71 @@ def test_init_upgrades_a_database_in_use_and_it_drains(released: Engine, schema:
     assert status["breaker"]["state"] == "CLOSED"
     assert status["counts"]["dead"] == len(poison)
     assert status["counts"]["ready"] == status["counts"]["leased"] == 0
+    assert status["counts"]["done"] == len(pruned) + 32
     attempts = dict(handled)
     assert sorted(attempts) == sorted(ready + leased + retrying + outage)
     assert all(attempts[i] == 1 for i in ready + leased + outage + retrying[4:])
     assert all(attempts[i] == 2 for i in retrying[:4])
     # the dead member's leases expired while the group was OPEN: charged, refunded too
-    assert status["totals"]["refunded"] == len(outage) + len(retrying[4:]) + len(leased)
+    assert status["totals"]["refunded"] == 11 + len(outage) + len(retrying[4:]) + len(leased)
+    assert status["totals"]["reclaimed"] == 5 + len(leased)
+    assert status["totals"]["released"] >= 7
+    assert status["committed"] >= pruned[-1]  # never behind where it was
     # the run's probe closed the group, and the probe log has it (version 3)
     [probe] = monitor.breaker_info(released, "g")["probes"]
     assert (probe["epoch"], probe["outcome"], probe["member"]) == (1, "succeeded", consumer.name)
     assert probe["message_id"] in ids
 
 
-def test_init_keeps_each_role_able_to_do_its_job(released: Engine, pg_dsn: str, schema: str):
-    """Roles granted a consumer's and an administrator's privileges before the upgrade
-    get what their job needs on the probe log (schema version 3), and no more: the
-    consumer is not refused at start, `pgq breaker` works for the administrator."""
-    probe_log = tuple(("probe", p) for p in ("SELECT", "INSERT", "DELETE"))
+def test_init_keeps_each_role_able_to_do_its_job(
+    released: Engine, pg_dsn: str, schema: str, version: int
+):
+    """Roles granted a producer's, a consumer's and an administrator's privileges
+    before the upgrade get what their job needs on the tables added since (the probe
+    log, version 3; group_state, version 4), and no more: the consumer is not refused
+    at start and drains, the producer publishes, `pgq breaker` works for the
+    administrator."""
+    added = [("group_state", p) for p in ("SELECT", "UPDATE")]
+    if version < 3:
+        added += [("probe", p) for p in ("SELECT", "INSERT", "DELETE")]
     with (
-        consumer_role(pg_dsn, schema, without=probe_log) as (consumer, consumer_dsn),
-        job_role(pg_dsn, schema, "admin", without=probe_log) as (admin, admin_dsn),
+        consumer_role(pg_dsn, schema, without=added) as (consumer, consumer_dsn),
+        job_role(pg_dsn, schema, "admin", without=added) as (admin, admin_dsn),
+        job_role(pg_dsn, schema, "producer", without=added) as (producer, producer_dsn),
     ):
+        # what an earlier version granted a consumer besides: the frontier and the
+        # totals were on the group row
+        sql(released, f'GRANT UPDATE ON "{schema}".consumer_group TO "{consumer}"')
         assert pgq.migrate(released) == LATEST
-        for job, dsn in (("consumer", consumer_dsn), ("admin", admin_dsn)):
+        jobs = (("consumer", consumer_dsn), ("admin", admin_dsn), ("producer", producer_dsn))
+        for job, dsn in jobs:
             eng = pgq.connect(dsn, schema=schema)
             try:
                 run_once(eng, require_privileges, job)
             finally:
                 eng.dispose()
         with released.connect() as conn:
-            admin_writes = conn.scalar(
-                text("SELECT has_table_privilege(:role, :probe, 'INSERT')"),
-                {"role": admin, "probe": f'"{schema}".probe'},
-            )
-        assert admin_writes is False
+            granted = conn.execute(
+                text(
+                    "SELECT has_table_privilege(:admin, :probe, 'INSERT'),"
+                    " has_table_privilege(:admin, :state, 'UPDATE'),"
+                    " has_table_privilege(:producer, :state, 'SELECT')"
+                ),
+                {
+                    "admin": admin,
+                    "producer": producer,
+                    "probe": f'"{schema}".probe',
+                    "state": f'"{schema}".group_state',
+                },
+            ).one()
+        assert tuple(granted) == (False, False, False)
+        eng = pgq.connect(producer_dsn, schema=schema)
+        try:
+            pgq.publish(eng, "t", {"n": 1})
+        finally:
+            eng.dispose()
         eng = pgq.connect(consumer_dsn, schema=schema)
         try:
-            pgq.publish(released, "t", {"n": 1})
             summary = pgq.Consumer(eng, "g", lambda m: None, **FAST).run(until_empty=True)
         finally:
             eng.dispose()

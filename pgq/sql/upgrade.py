@@ -1,0 +1,44 @@
+"""Statements the migrations run besides creating declared tables: moving columns
+between tables of a schema in use (`pgq.store.migrations`)."""
+
+from __future__ import annotations
+
+from sqlalchemy import Column, Integer, MetaData, Table, insert, select, text
+from sqlalchemy.sql import Executable, TextClause
+
+from pgq import schema as t
+
+
+def columns_of() -> Executable:
+    """The column names of table `:table` in schema `:schema`."""
+    return text(
+        "SELECT column_name FROM information_schema.columns"
+        " WHERE table_schema = :schema AND table_name = :table"
+    )
+
+
+def copy_group_state(columns: list[str]) -> Executable:
+    """Schema version 4: each group's `columns` (frontier and totals), as
+    `consumer_group` held them, into its new `group_state` row."""
+    before = Table(
+        t.consumer_group.name,
+        MetaData(schema=t.SCHEMA_PLACEHOLDER),
+        Column("id", Integer),
+        *(Column(name, t.group_state.c[name].type) for name in columns),
+    )
+    return insert(t.group_state).from_select(
+        ["group_id", *columns], select(before.c.id, *(before.c[name] for name in columns))
+    )
+
+
+def drop_columns(qualified: str, columns: list[str]) -> TextClause:
+    """Drop `columns` (names pgq declares) from table `qualified` (quoted and
+    schema-qualified)."""
+    drops = ", ".join(f'DROP COLUMN "{name}"' for name in columns)
+    return text(f"ALTER TABLE {qualified} {drops}")
+
+
+def delivery_xid_default(qualified: str) -> TextClause:
+    """Schema version 4: a delivery row's xid is its inserting transaction's
+    (`qualified`: the delivery table, quoted and schema-qualified)."""
+    return text(f"ALTER TABLE {qualified} ALTER COLUMN xid SET DEFAULT pg_current_xact_id()")
