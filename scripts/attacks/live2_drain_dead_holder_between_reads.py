@@ -42,7 +42,7 @@ import pgq
 PREV = Path(os.environ.get("TOKEN2_PREV", "/tmp/pgq_prev2")).resolve()
 DRAINER = os.environ.get("LIVE2_DRAINER", "new")
 
-SITE = r'''
+SITE = r"""
 import os, signal, sys
 if os.environ.get("ATK_PAUSE"):
     _marker = os.environ["ATK_PAUSE"]
@@ -74,28 +74,51 @@ if os.environ.get("ATK_PAUSE"):
             _pause()
             return stmt
         M.drain_state = drain_state
-'''
-HANDLER = r'''
+"""
+HANDLER = r"""
 import os, time
 def handle(msg):
     if os.environ["ATK_MEMBER"] == "A":
         time.sleep(60)
-'''
+"""
 
 
 def start(s: Schema, d: Path, name: str, code: Path, *args: str, **extra: str):
     e = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
     e.update(
-        PGQ_DSN=DSN, PGQ_SCHEMA=s.name, PYTHONPATH=os.pathsep.join([str(d), str(code)]),
-        ATK_MEMBER=name, PGQ_LEASE="3", PGQ_BREAKER_HEARTBEAT="0.3",
-        PGQ_BREAKER_MEMBER_TTL="10", PGQ_BREAKER_MEMBER_RETENTION="10",
-        PGQ_POLL_INTERVAL="0.2", PGQ_HANDLER_TIMEOUT="120", PGQ_SHUTDOWN_GRACE="1", **extra,
+        PGQ_DSN=DSN,
+        PGQ_SCHEMA=s.name,
+        PYTHONPATH=os.pathsep.join([str(d), str(code)]),
+        ATK_MEMBER=name,
+        PGQ_LEASE="3",
+        PGQ_BREAKER_HEARTBEAT="0.3",
+        PGQ_BREAKER_MEMBER_TTL="10",
+        PGQ_BREAKER_MEMBER_RETENTION="10",
+        PGQ_POLL_INTERVAL="0.2",
+        PGQ_HANDLER_TIMEOUT="120",
+        PGQ_SHUTDOWN_GRACE="1",
+        **extra,
     )
     log = open(d / f"{name}.log", "a")
     return subprocess.Popen(
-        [sys.executable, "-c", "from pgq.cli import main; main()", "consume", "g",
-         "--handler", "atk_h:handle", "--workers", "4", "--name", name, *args],
-        env=e, stdout=log, stderr=log, cwd=d,
+        [
+            sys.executable,
+            "-c",
+            "from pgq.cli import main; main()",
+            "consume",
+            "g",
+            "--handler",
+            "atk_h:handle",
+            "--workers",
+            "4",
+            "--name",
+            name,
+            *args,
+        ],
+        env=e,
+        stdout=log,
+        stderr=log,
+        cwd=d,
     )
 
 
@@ -119,9 +142,7 @@ def lock_held(s: Schema, name: str) -> bool:
 
 
 def rows(s: Schema):
-    return s.sql(
-        f'SELECT message_id, state, lease_owner FROM "{s.name}".delivery ORDER BY 1'
-    )
+    return s.sql(f'SELECT message_id, state, lease_owner FROM "{s.name}".delivery ORDER BY 1')
 
 
 problems: list[str] = []
@@ -155,7 +176,9 @@ with Schema("l2drain2") as s:
         except subprocess.TimeoutExpired:
             problems.append("the drain did not end within 30 s")
         left = rows(s)
-        print(f"D ended rc={procs['D'].returncode} after {time.monotonic() - t0:.1f}s; rows now {left}")
+        print(
+            f"D ended rc={procs['D'].returncode} after {time.monotonic() - t0:.1f}s; rows now {left}"
+        )
         print("D:", (d / "D.log").read_text().strip().splitlines()[-1])
         still = [r for r in left if r[1] != "done"]
         if procs["D"].returncode == 0 and still:
@@ -169,4 +192,6 @@ with Schema("l2drain2") as s:
             p.kill()
             p.wait()
 
-verdict(problems, f"the drain waits for a dead member's leases (drainer {DRAINER}, paused in its check)")
+verdict(
+    problems, f"the drain waits for a dead member's leases (drainer {DRAINER}, paused in its check)"
+)

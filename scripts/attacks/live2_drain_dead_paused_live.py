@@ -24,22 +24,29 @@ from _common import DSN, ROOT, Schema, verdict
 
 import pgq
 
-HANDLER = r'''
+HANDLER = r"""
 import os, time
 def handle(msg):
     who = os.environ["ATK_MEMBER"]
     time.sleep({"A": 60, "B": 60, "C": 8}.get(who, 0.0))
-'''
+"""
 LEASE, TTL = 2.0, 1.0
 
 
 def env(s: Schema, d: Path, name: str) -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
     e.update(
-        PGQ_DSN=DSN, PGQ_SCHEMA=s.name, PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]),
-        ATK_MEMBER=name, PGQ_LEASE=str(LEASE), PGQ_BREAKER_HEARTBEAT="0.3",
-        PGQ_BREAKER_MEMBER_TTL=str(TTL), PGQ_PREFETCH="1", PGQ_POLL_INTERVAL="0.1",
-        PGQ_HANDLER_TIMEOUT="120", PGQ_SHUTDOWN_GRACE="1",
+        PGQ_DSN=DSN,
+        PGQ_SCHEMA=s.name,
+        PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]),
+        ATK_MEMBER=name,
+        PGQ_LEASE=str(LEASE),
+        PGQ_BREAKER_HEARTBEAT="0.3",
+        PGQ_BREAKER_MEMBER_TTL=str(TTL),
+        PGQ_PREFETCH="1",
+        PGQ_POLL_INTERVAL="0.1",
+        PGQ_HANDLER_TIMEOUT="120",
+        PGQ_SHUTDOWN_GRACE="1",
     )
     return e
 
@@ -47,9 +54,24 @@ def env(s: Schema, d: Path, name: str) -> dict:
 def start(s, d, name, *extra):
     log = open(d / f"{name}.log", "a")
     return subprocess.Popen(
-        [sys.executable, "-c", "from pgq.cli import main; main()", "consume", "g",
-         "--handler", "atk_h:handle", "--workers", "2", "--name", name, *extra],
-        env=env(s, d, name), stdout=log, stderr=log, cwd=d,
+        [
+            sys.executable,
+            "-c",
+            "from pgq.cli import main; main()",
+            "consume",
+            "g",
+            "--handler",
+            "atk_h:handle",
+            "--workers",
+            "2",
+            "--name",
+            name,
+            *extra,
+        ],
+        env=env(s, d, name),
+        stdout=log,
+        stderr=log,
+        cwd=d,
     )
 
 
@@ -99,9 +121,7 @@ with Schema("l2drain") as s:
             problems.append("the drain did not end within 45 s")
         took = time.monotonic() - t0
         after = leased(s)
-        st = dict(s.sql(
-            f'SELECT message_id, state FROM "{s.name}".delivery ORDER BY 1'
-        ))
+        st = dict(s.sql(f'SELECT message_id, state FROM "{s.name}".delivery ORDER BY 1'))
         print(f"drain rc={drain.returncode} after {took:.1f}s; leased now {after}; states {st}")
         for name in "AB":
             for i in held[name]:

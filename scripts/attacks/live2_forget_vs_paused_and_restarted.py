@@ -32,25 +32,44 @@ from pgq.store.members import forget_departed
 from pgq.store.topics import group_info
 
 SECONDS = float(os.environ.get("LIVE2_SECONDS", "30"))
-HANDLER = r'''
+HANDLER = r"""
 import time
 def handle(msg):
     time.sleep(0.02)
-'''
+"""
 
 
 def start(s: Schema, d: Path, name: str) -> subprocess.Popen:
     e = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
     e.update(
-        PGQ_DSN=DSN, PGQ_SCHEMA=s.name, PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]),
-        PGQ_LEASE="2", PGQ_BREAKER_HEARTBEAT="0.3", PGQ_BREAKER_MEMBER_TTL="1",
-        PGQ_BREAKER_MEMBER_RETENTION="1", PGQ_POLL_INTERVAL="0.2",
+        PGQ_DSN=DSN,
+        PGQ_SCHEMA=s.name,
+        PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]),
+        PGQ_LEASE="2",
+        PGQ_BREAKER_HEARTBEAT="0.3",
+        PGQ_BREAKER_MEMBER_TTL="1",
+        PGQ_BREAKER_MEMBER_RETENTION="1",
+        PGQ_POLL_INTERVAL="0.2",
     )
     log = open(d / f"{name}.log", "a")
     return subprocess.Popen(
-        [sys.executable, "-c", "from pgq.cli import main; main()", "consume", "g",
-         "--handler", "atk_h:handle", "--workers", "2", "--name", name],
-        env=e, stdout=log, stderr=log, cwd=d,
+        [
+            sys.executable,
+            "-c",
+            "from pgq.cli import main; main()",
+            "consume",
+            "g",
+            "--handler",
+            "atk_h:handle",
+            "--workers",
+            "2",
+            "--name",
+            name,
+        ],
+        env=e,
+        stdout=log,
+        stderr=log,
+        cwd=d,
     )
 
 
@@ -119,8 +138,14 @@ with Schema("l2forget") as s:
         for line in (d / f"{n}.log").read_text().splitlines():
             if "taken over" in line or "already running" in line:
                 taken.append(f"{n}: {line}")
-    print("actions", counts, "forget calls that deleted:", len(forgotten),
-          "names:", sorted({x for _, g in forgotten for x in g}))
+    print(
+        "actions",
+        counts,
+        "forget calls that deleted:",
+        len(forgotten),
+        "names:",
+        sorted({x for _, g in forgotten for x in g}),
+    )
     problems += [f"member stopped or refused: {x}" for x in taken]
     problems += [f"unexpected exit: {x}" for x in unexpected]
 

@@ -17,18 +17,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from sqlalchemy import text
-
 from _common import DSN, ROOT, Schema, states, verdict
+from sqlalchemy import text
 
 import pgq
 
-HANDLER = r'''
+HANDLER = r"""
 import os, pgq
 def handle(msg):
     if os.path.exists(os.environ["ATK_DOWN"]):
         raise pgq.SystemicError("down")
-'''
+"""
 
 problems: list[str] = []
 tag = secrets.token_hex(3)
@@ -54,11 +53,24 @@ try:
             return DSN.replace("postgres@", f"{role}@", 1)
 
         def run(role: str, *args: str, **extra: str):
-            return s.pgq(*args, PGQ_DSN=dsn(role), PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]),
-                         ATK_DOWN=str(down), **extra)
+            return s.pgq(
+                *args,
+                PGQ_DSN=dsn(role),
+                PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]),
+                ATK_DOWN=str(down),
+                **extra,
+            )
 
-        r = run(roles["consumer"], "consume", "g", "--handler", "atk_h:handle", "--until-empty",
-                "--name", "c1")
+        r = run(
+            roles["consumer"],
+            "consume",
+            "g",
+            "--handler",
+            "atk_h:handle",
+            "--until-empty",
+            "--name",
+            "c1",
+        )
         print("consumer drain rc", r.returncode, states(s, "g"), r.stderr.strip().splitlines()[-1:])
         if r.returncode != 0 or states(s, "g").get("ready"):
             problems.append(f"consumer role drain: rc={r.returncode} {r.stderr[-400:]}")
@@ -66,15 +78,41 @@ try:
         down.touch()
         pgq.publish_many(s.engine, "t", [{"i": i} for i in range(60)])
         env = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
-        env.update(PGQ_DSN=dsn(roles["consumer"]), PGQ_SCHEMA=s.name, ATK_DOWN=str(down),
-                   PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]), PGQ_BREAKER_HEARTBEAT="0.3",
-                   PGQ_BREAKER_MEMBER_TTL="2", PGQ_BREAKER_MIN_CALLS="3", PGQ_BREAKER_WINDOW="5",
-                   PGQ_RETRY_BACKOFF="0.1", PGQ_RETRY_BACKOFF_MAX="0.2", PGQ_MAX_ATTEMPTS="100",
-                   PGQ_BREAKER_PROBE_INTERVAL="0.5", PGQ_BREAKER_PROBE_INTERVAL_MAX="1")
-        ms = [subprocess.Popen([sys.executable, "-c", "from pgq.cli import main; main()", "consume",
-                                "g", "--handler", "atk_h:handle", "--name", n],
-                               env=env, cwd=d, stdout=open(d / f"{n}.log", "w"), stderr=subprocess.STDOUT)
-              for n in ("c2", "c3")]
+        env.update(
+            PGQ_DSN=dsn(roles["consumer"]),
+            PGQ_SCHEMA=s.name,
+            ATK_DOWN=str(down),
+            PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]),
+            PGQ_BREAKER_HEARTBEAT="0.3",
+            PGQ_BREAKER_MEMBER_TTL="2",
+            PGQ_BREAKER_MIN_CALLS="3",
+            PGQ_BREAKER_WINDOW="5",
+            PGQ_RETRY_BACKOFF="0.1",
+            PGQ_RETRY_BACKOFF_MAX="0.2",
+            PGQ_MAX_ATTEMPTS="100",
+            PGQ_BREAKER_PROBE_INTERVAL="0.5",
+            PGQ_BREAKER_PROBE_INTERVAL_MAX="1",
+        )
+        ms = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    "from pgq.cli import main; main()",
+                    "consume",
+                    "g",
+                    "--handler",
+                    "atk_h:handle",
+                    "--name",
+                    n,
+                ],
+                env=env,
+                cwd=d,
+                stdout=open(d / f"{n}.log", "w"),
+                stderr=subprocess.STDOUT,
+            )
+            for n in ("c2", "c3")
+        ]
         try:
             opened = None
             end = time.monotonic() + 25
@@ -90,15 +128,24 @@ try:
                     live = [m["name"] for m in grp["members"] if m.get("live")]
                     print("admin status in the outage: breaker", opened, "live members", live)
                     if sorted(live) != ["c2", "c3"]:
-                        problems.append(f"admin status shows live members {live}, expected c2 and c3")
+                        problems.append(
+                            f"admin status shows live members {live}, expected c2 and c3"
+                        )
                     break
                 time.sleep(0.5)
             if not opened:
                 problems.append("setup: no OPEN breaker with a prober seen within 25 s")
             for args in (("members", "g"), ("breaker", "g"), ("check", "g")):
                 r = run(roles["admin"], *args)
-                print(f"admin {' '.join(args)}: rc={r.returncode}", (r.stdout.strip().splitlines() or [""])[0][:100])
-                if r.returncode not in (0, 1, 2) or "Traceback" in r.stderr or "permission" in r.stderr:
+                print(
+                    f"admin {' '.join(args)}: rc={r.returncode}",
+                    (r.stdout.strip().splitlines() or [""])[0][:100],
+                )
+                if (
+                    r.returncode not in (0, 1, 2)
+                    or "Traceback" in r.stderr
+                    or "permission" in r.stderr
+                ):
                     problems.append(f"admin {args}: rc={r.returncode} {r.stderr[-300:]}")
         finally:
             for m in ms:
@@ -107,7 +154,9 @@ try:
         for n in ("c2", "c3"):
             log = (d / f"{n}.log").read_text()
             if "permission denied" in log or "Traceback" in log:
-                problems.append(f"{n}: {[l for l in log.splitlines() if 'ermission' in l or 'Error' in l][:3]}")
+                problems.append(
+                    f"{n}: {[ln for ln in log.splitlines() if 'ermission' in ln or 'Error' in ln][:3]}"
+                )
 finally:
     with admin_engine.begin() as c:
         for r in roles.values():

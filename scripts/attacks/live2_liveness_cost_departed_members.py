@@ -65,9 +65,17 @@ print(json.dumps(out))
 
 
 def measure(code: Path) -> dict:
-    env = dict(os.environ, ATK_DIR=str(Path(__file__).parent), ATK_ROOT=str(ROOT), ATK_CODE=str(code))
-    r = subprocess.run([sys.executable, "-c", MEASURE], env=env, capture_output=True, text=True,
-                       timeout=120, cwd="/tmp")
+    env = dict(
+        os.environ, ATK_DIR=str(Path(__file__).parent), ATK_ROOT=str(ROOT), ATK_CODE=str(code)
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", MEASURE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/tmp",
+    )
     if r.returncode:
         raise SystemExit(r.stderr[-2000:])
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -24,11 +24,11 @@ from pgq.store.group import GroupStore
 from pgq.store.topics import group_info
 
 NAMES = ['a"b', "a,b", "{x}", "a\\b", "sp ace ", "ünï·cödé", "NULL", "'q'", "(1,2)", "é"]
-HANDLER = r'''
+HANDLER = r"""
 import time
 def handle(msg):
     time.sleep(30)
-'''
+"""
 
 problems: list[str] = []
 with Schema("l2names") as s:
@@ -38,19 +38,42 @@ with Schema("l2names") as s:
     pgq.subscribe(s.engine, "g", "t")
     pgq.publish_many(s.engine, "t", [{"i": i} for i in range(len(NAMES))])
     env = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
-    env.update(PGQ_DSN=DSN, PGQ_SCHEMA=s.name, PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]),
-               PGQ_PREFETCH="1", PGQ_HANDLER_TIMEOUT="60")
+    env.update(
+        PGQ_DSN=DSN,
+        PGQ_SCHEMA=s.name,
+        PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]),
+        PGQ_PREFETCH="1",
+        PGQ_HANDLER_TIMEOUT="60",
+    )
     procs = [
-        subprocess.Popen([sys.executable, "-c", "from pgq.cli import main; main()", "consume", "g",
-                          "--handler", "atk_h:handle", "--workers", "1", "--name", n],
-                         env=env, cwd=d, stdout=subprocess.DEVNULL, stderr=open(d / f"{i}.log", "w"))
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "from pgq.cli import main; main()",
+                "consume",
+                "g",
+                "--handler",
+                "atk_h:handle",
+                "--workers",
+                "1",
+                "--name",
+                n,
+            ],
+            env=env,
+            cwd=d,
+            stdout=subprocess.DEVNULL,
+            stderr=open(d / f"{i}.log", "w"),
+        )
         for i, n in enumerate(NAMES)
     ]
     try:
         time.sleep(6)
         for i, p in enumerate(procs):
             if p.poll() is not None:
-                problems.append(f"{NAMES[i]!r} exited rc={p.returncode}: {(d / f'{i}.log').read_text()[-300:]}")
+                problems.append(
+                    f"{NAMES[i]!r} exited rc={p.returncode}: {(d / f'{i}.log').read_text()[-300:]}"
+                )
         st = json.loads(s.pgq("status", "g", "--json").stdout)
         grp = st["groups"][0] if "groups" in st else st
         shown = {m["name"]: m.get("live") for m in grp["members"]}
@@ -62,10 +85,14 @@ with Schema("l2names") as s:
         other = GroupStore(gid, "g", "t", "observer", 30.0, 3)
         with s.engine.begin() as c:
             ds = other.drain_state(c, 10.0)
-        owners = s.sql(f"SELECT lease_owner, count(*) FROM \"{s.name}\".delivery WHERE state = 'leased' GROUP BY 1")
+        owners = s.sql(
+            f"SELECT lease_owner, count(*) FROM \"{s.name}\".delivery WHERE state = 'leased' GROUP BY 1"
+        )
         print("leased by", dict(owners), "drain_state of another member:", ds)
         if ds.held:
-            problems.append(f"drain_state counts {ds.held} rows as held by members not live: {dict(owners)}")
+            problems.append(
+                f"drain_state counts {ds.held} rows as held by members not live: {dict(owners)}"
+            )
     finally:
         for p in procs:
             p.kill()

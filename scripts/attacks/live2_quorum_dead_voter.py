@@ -46,7 +46,7 @@ import pgq
 PREV = Path(os.environ.get("TOKEN2_PREV", "/tmp/pgq_prev2")).resolve()
 OPENER = os.environ.get("LIVE2_OPENER", "new")
 
-SITE = r'''
+SITE = r"""
 import os, signal, sys
 if os.environ.get("ATK_PAUSE"):
     _marker = os.environ["ATK_PAUSE"]
@@ -78,29 +78,55 @@ if os.environ.get("ATK_PAUSE"):
             _pause()
             return stmt
         B.open_on_quorum = open_on_quorum
-'''
-HANDLER = r'''
+"""
+HANDLER = r"""
 import pgq
 def handle(msg):
     raise pgq.SystemicError("down")
-'''
+"""
 
 
 def start(s: Schema, d: Path, name: str, code: Path, **extra: str) -> subprocess.Popen:
     e = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
     e.update(
-        PGQ_DSN=DSN, PGQ_SCHEMA=s.name, PYTHONPATH=os.pathsep.join([str(d), str(code)]),
-        PGQ_LEASE="5", PGQ_BREAKER_HEARTBEAT="0.3", PGQ_BREAKER_MEMBER_TTL="10",
-        PGQ_BREAKER_MEMBER_RETENTION="10", PGQ_BREAKER_MIN_CALLS="3", PGQ_BREAKER_WINDOW="5",
-        PGQ_BREAKER_MIN_MEMBERS="2", PGQ_BREAKER_QUORUM="0.5", PGQ_RETRY_BACKOFF="0.1",
-        PGQ_RETRY_BACKOFF_MAX="0.2", PGQ_MAX_ATTEMPTS="1000", PGQ_POLL_INTERVAL="0.2",
-        PGQ_BREAKER_OPEN_FOR="60", PGQ_BREAKER_OPEN_FOR_MAX="60", **extra,
+        PGQ_DSN=DSN,
+        PGQ_SCHEMA=s.name,
+        PYTHONPATH=os.pathsep.join([str(d), str(code)]),
+        PGQ_LEASE="5",
+        PGQ_BREAKER_HEARTBEAT="0.3",
+        PGQ_BREAKER_MEMBER_TTL="10",
+        PGQ_BREAKER_MEMBER_RETENTION="10",
+        PGQ_BREAKER_MIN_CALLS="3",
+        PGQ_BREAKER_WINDOW="5",
+        PGQ_BREAKER_MIN_MEMBERS="2",
+        PGQ_BREAKER_QUORUM="0.5",
+        PGQ_RETRY_BACKOFF="0.1",
+        PGQ_RETRY_BACKOFF_MAX="0.2",
+        PGQ_MAX_ATTEMPTS="1000",
+        PGQ_POLL_INTERVAL="0.2",
+        PGQ_BREAKER_OPEN_FOR="60",
+        PGQ_BREAKER_OPEN_FOR_MAX="60",
+        **extra,
     )
     log = open(d / f"{name}.log", "a")
     return subprocess.Popen(
-        [sys.executable, "-c", "from pgq.cli import main; main()", "consume", "g",
-         "--handler", "atk_h:handle", "--workers", "1", "--name", name],
-        env=e, stdout=log, stderr=log, cwd=d,
+        [
+            sys.executable,
+            "-c",
+            "from pgq.cli import main; main()",
+            "consume",
+            "g",
+            "--handler",
+            "atk_h:handle",
+            "--workers",
+            "1",
+            "--name",
+            name,
+        ],
+        env=e,
+        stdout=log,
+        stderr=log,
+        cwd=d,
     )
 
 
@@ -115,7 +141,9 @@ def wait(cond, what: str, timeout: float = 20) -> None:
 def members(s: Schema) -> dict:
     return {
         r[0]: r[1:]
-        for r in s.sql(f'SELECT name, local_breaker, tripped_epoch, last_seen FROM "{s.name}".member')
+        for r in s.sql(
+            f'SELECT name, local_breaker, tripped_epoch, last_seen FROM "{s.name}".member'
+        )
     }
 
 
@@ -162,12 +190,17 @@ with Schema("l2quorum") as s:
         procs["O"].send_signal(signal.SIGCONT)
         time.sleep(1.5)
         br = breaker(s)
-        hist = s.sql(
-            f'SELECT epoch, state, at FROM "{s.name}".breaker_history ORDER BY at'
-        ) if s.sql(f"SELECT to_regclass('\"{s.name}\".breaker_history')")[0][0] else []
+        hist = (
+            s.sql(f'SELECT epoch, state, at FROM "{s.name}".breaker_history ORDER BY at')
+            if s.sql(f"SELECT to_regclass('\"{s.name}\".breaker_history')")[0][0]
+            else []
+        )
         print("after O resumed: breaker", br, "history", hist)
         log = (d / "O.log").read_text()
-        print("O log:", [line for line in log.splitlines() if "opened" in line or "quorum" in line][-3:])
+        print(
+            "O log:",
+            [line for line in log.splitlines() if "opened" in line or "quorum" in line][-3:],
+        )
         if br and br[0][0] == "OPEN":
             problems.append(
                 f"the group opened (breaker {br}) with one live tripped member (O) of"

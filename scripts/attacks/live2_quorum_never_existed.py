@@ -41,7 +41,7 @@ import pgq
 PREV = Path(os.environ.get("TOKEN2_PREV", "/tmp/pgq_prev2")).resolve()
 OPENER = os.environ.get("LIVE2_OPENER", "new")
 
-SITE = r'''
+SITE = r"""
 import os, signal, sys
 if os.environ.get("ATK_PAUSE"):
     _marker = os.environ["ATK_PAUSE"]
@@ -73,31 +73,58 @@ if os.environ.get("ATK_PAUSE"):
             _pause()
             return stmt
         B.open_on_quorum = open_on_quorum
-'''
-HANDLER = r'''
+"""
+HANDLER = r"""
 import os, time, pgq
 def handle(msg):
     if os.environ["ATK_MEMBER"] in ("O", "B"):
         raise pgq.SystemicError("down")
     time.sleep(0.05)
-'''
+"""
 
 
 def start(s: Schema, d: Path, name: str, code: Path, **extra: str) -> subprocess.Popen:
     e = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
     e.update(
-        PGQ_DSN=DSN, PGQ_SCHEMA=s.name, PYTHONPATH=os.pathsep.join([str(d), str(code)]),
-        PGQ_LEASE="5", PGQ_BREAKER_HEARTBEAT="0.3", PGQ_BREAKER_MEMBER_TTL="10",
-        PGQ_BREAKER_MEMBER_RETENTION="10", PGQ_BREAKER_MIN_CALLS="3", PGQ_BREAKER_WINDOW="5",
-        PGQ_BREAKER_MIN_MEMBERS="2", PGQ_BREAKER_QUORUM="0.75", ATK_MEMBER=name, PGQ_RETRY_BACKOFF="0.1",
-        PGQ_RETRY_BACKOFF_MAX="0.2", PGQ_MAX_ATTEMPTS="1000", PGQ_POLL_INTERVAL="0.2",
-        PGQ_BREAKER_OPEN_FOR="60", PGQ_BREAKER_OPEN_FOR_MAX="60", **extra,
+        PGQ_DSN=DSN,
+        PGQ_SCHEMA=s.name,
+        PYTHONPATH=os.pathsep.join([str(d), str(code)]),
+        PGQ_LEASE="5",
+        PGQ_BREAKER_HEARTBEAT="0.3",
+        PGQ_BREAKER_MEMBER_TTL="10",
+        PGQ_BREAKER_MEMBER_RETENTION="10",
+        PGQ_BREAKER_MIN_CALLS="3",
+        PGQ_BREAKER_WINDOW="5",
+        PGQ_BREAKER_MIN_MEMBERS="2",
+        PGQ_BREAKER_QUORUM="0.75",
+        ATK_MEMBER=name,
+        PGQ_RETRY_BACKOFF="0.1",
+        PGQ_RETRY_BACKOFF_MAX="0.2",
+        PGQ_MAX_ATTEMPTS="1000",
+        PGQ_POLL_INTERVAL="0.2",
+        PGQ_BREAKER_OPEN_FOR="60",
+        PGQ_BREAKER_OPEN_FOR_MAX="60",
+        **extra,
     )
     log = open(d / f"{name}.log", "a")
     return subprocess.Popen(
-        [sys.executable, "-c", "from pgq.cli import main; main()", "consume", "g",
-         "--handler", "atk_h:handle", "--workers", "1", "--name", name],
-        env=e, stdout=log, stderr=log, cwd=d,
+        [
+            sys.executable,
+            "-c",
+            "from pgq.cli import main; main()",
+            "consume",
+            "g",
+            "--handler",
+            "atk_h:handle",
+            "--workers",
+            "1",
+            "--name",
+            name,
+        ],
+        env=e,
+        stdout=log,
+        stderr=log,
+        cwd=d,
     )
 
 
@@ -112,7 +139,9 @@ def wait(cond, what: str, timeout: float = 20) -> None:
 def members(s: Schema) -> dict:
     return {
         r[0]: r[1:]
-        for r in s.sql(f'SELECT name, local_breaker, tripped_epoch, last_seen FROM "{s.name}".member')
+        for r in s.sql(
+            f'SELECT name, local_breaker, tripped_epoch, last_seen FROM "{s.name}".member'
+        )
     }
 
 
@@ -147,14 +176,18 @@ with Schema("l2quorum2") as s:
         wait(lambda: members(s).get("B", ("closed",))[0] == "open", "B trips")
         wait(lambda: all(lock_held(s, n) for n in ("G1", "G2", "B")), "G1, G2, B hold their locks")
         time.sleep(1.0)
-        print("B tripped; breaker", breaker(s), "members", {k: v[:2] for k, v in members(s).items()})
+        print(
+            "B tripped; breaker", breaker(s), "members", {k: v[:2] for k, v in members(s).items()}
+        )
         code = PREV if OPENER.startswith("old") else ROOT
         after = {"ATK_AFTER": "1"} if OPENER.endswith("_after") else {}
         procs["O"] = start(s, d, "O", code, ATK_PAUSE=str(marker), **after)
         wait(marker.exists, "O reaches the open on quorum")
         time.sleep(0.2)
-        print(f"O ({OPENER}) paused in its open; holders: "
-              f"{[n for n in ('O', 'B', 'G1', 'G2') if lock_held(s, n)]}")
+        print(
+            f"O ({OPENER}) paused in its open; holders: "
+            f"{[n for n in ('O', 'B', 'G1', 'G2') if lock_held(s, n)]}"
+        )
         procs["B"].kill()
         procs["B"].wait()
         wait(lambda: not lock_held(s, "B"), "B's session ends")
@@ -163,8 +196,12 @@ with Schema("l2quorum2") as s:
             procs[n].send_signal(signal.SIGTERM)
         for n in ("G1", "G2"):
             procs[n].wait(20)
-        print("G1, G2 left:", {k: v[:2] for k, v in members(s).items()},
-              "left_at set:", s.sql(f'SELECT name, left_at IS NOT NULL FROM "{s.name}".member ORDER BY 1'))
+        print(
+            "G1, G2 left:",
+            {k: v[:2] for k, v in members(s).items()},
+            "left_at set:",
+            s.sql(f'SELECT name, left_at IS NOT NULL FROM "{s.name}".member ORDER BY 1'),
+        )
         print("breaker before O resumes", breaker(s))
         procs["O"].send_signal(signal.SIGCONT)
         time.sleep(1.5)

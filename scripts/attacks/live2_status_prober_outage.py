@@ -17,7 +17,6 @@ Exit 1 on a status that names another member than the lock holder.
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,23 +27,33 @@ from _common import DSN, ROOT, Schema, verdict
 
 import pgq
 
-HANDLER = r'''
+HANDLER = r"""
 import pgq
 def handle(msg):
     raise pgq.SystemicError("down")
-'''
+"""
 SECONDS = float(os.environ.get("LIVE2_SECONDS", "30"))
 
 
 def env(s: Schema, d: Path, name: str) -> dict:
     e = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
     e.update(
-        PGQ_DSN=DSN, PGQ_SCHEMA=s.name, PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]),
-        PGQ_LEASE="2", PGQ_BREAKER_HEARTBEAT="0.3", PGQ_BREAKER_MEMBER_TTL="1.5",
-        PGQ_BREAKER_PROBE_INTERVAL="0.3", PGQ_BREAKER_PROBE_INTERVAL_MAX="0.6",
-        PGQ_BREAKER_PROBER_TURNS=os.environ.get("LIVE2_TURNS", "1000"), PGQ_BREAKER_MIN_CALLS="3", PGQ_BREAKER_WINDOW="5",
-        PGQ_BREAKER_MIN_MEMBERS="2", PGQ_RETRY_BACKOFF="0.1", PGQ_RETRY_BACKOFF_MAX="0.2",
-        PGQ_MAX_ATTEMPTS="1000", PGQ_POLL_INTERVAL="0.2",
+        PGQ_DSN=DSN,
+        PGQ_SCHEMA=s.name,
+        PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]),
+        PGQ_LEASE="2",
+        PGQ_BREAKER_HEARTBEAT="0.3",
+        PGQ_BREAKER_MEMBER_TTL="1.5",
+        PGQ_BREAKER_PROBE_INTERVAL="0.3",
+        PGQ_BREAKER_PROBE_INTERVAL_MAX="0.6",
+        PGQ_BREAKER_PROBER_TURNS=os.environ.get("LIVE2_TURNS", "1000"),
+        PGQ_BREAKER_MIN_CALLS="3",
+        PGQ_BREAKER_WINDOW="5",
+        PGQ_BREAKER_MIN_MEMBERS="2",
+        PGQ_RETRY_BACKOFF="0.1",
+        PGQ_RETRY_BACKOFF_MAX="0.2",
+        PGQ_MAX_ATTEMPTS="1000",
+        PGQ_POLL_INTERVAL="0.2",
     )
     return e
 
@@ -52,9 +61,23 @@ def env(s: Schema, d: Path, name: str) -> dict:
 def start(s, d, name):
     log = open(d / f"{name}.log", "a")
     return subprocess.Popen(
-        [sys.executable, "-c", "from pgq.cli import main; main()", "consume", "g",
-         "--handler", "atk_h:handle", "--workers", "2", "--name", name],
-        env=env(s, d, name), stdout=log, stderr=log, cwd=d,
+        [
+            sys.executable,
+            "-c",
+            "from pgq.cli import main; main()",
+            "consume",
+            "g",
+            "--handler",
+            "atk_h:handle",
+            "--workers",
+            "2",
+            "--name",
+            name,
+        ],
+        env=env(s, d, name),
+        stdout=log,
+        stderr=log,
+        cwd=d,
     )
 
 
@@ -112,7 +135,9 @@ with Schema("l2prober") as s:
                 samples["agree"] += 1
                 expect = sorted(before)[0] if before else None
                 if named != expect:
-                    problems.append(f"status names prober {named!r}; pg_locks before and after: {sorted(before)}")
+                    problems.append(
+                        f"status names prober {named!r}; pg_locks before and after: {sorted(before)}"
+                    )
                 if named:
                     seen_probers.add(named)
                 if len(before) > 1:

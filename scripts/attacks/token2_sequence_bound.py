@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from _common import DSN, ROOT, Schema, states, verdict
+from _common import DSN, Schema, states, verdict
 
 import pgq
 from pgq.records import Outcome
@@ -50,14 +50,16 @@ with Schema("t2bound") as s:
     store.tokens._next = (1 << TOKEN_BITS) - 1  # as after 2^20 - 2 more claims
     with s.engine.begin() as c:
         last = store.claim(c, 1, 0)
-    print("step 2: last token of the block", last[0].seq, "== -(2^63-1):", last[0].seq == -(2**63 - 1))
+    print(
+        "step 2: last token of the block", last[0].seq, "== -(2^63-1):", last[0].seq == -(2**63 - 1)
+    )
     with s.engine.begin() as c:
         print("  ack applied", store.record(c, [Outcome(last[0], "done")]))
     try:
         with s.engine.begin() as c:
             nxt = store.claim(c, 1, 0)
         print("  next claim:", nxt)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         print(f"  next claim raised {type(exc).__name__}: {exc}")
 
     # 3: real processes past the bound
@@ -65,8 +67,15 @@ with Schema("t2bound") as s:
     print("sequence now at", s.sql(f"SELECT last_value FROM {seq}")[0][0], "bound", BOUND)
     t0 = time.monotonic()
     r = s.pgq(
-        "consume", "g", "--handler", "builtins:id", "--until-empty", "--name", "today",
-        PGQ_LEASE="2", timeout=25,
+        "consume",
+        "g",
+        "--handler",
+        "builtins:id",
+        "--until-empty",
+        "--name",
+        "today",
+        PGQ_LEASE="2",
+        timeout=25,
     )
     took = time.monotonic() - t0
     print(f"step 3: today's `pgq consume --until-empty`: rc={r.returncode} after {took:.1f}s")
@@ -81,9 +90,23 @@ with Schema("t2bound") as s:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PGQ_")}
         env.update(PGQ_DSN=DSN, PGQ_SCHEMA=s.name, PYTHONPATH=str(PREV))
         r = subprocess.run(
-            [sys.executable, "-c", "from pgq.cli import main; main()", "consume", "g",
-             "--handler", "builtins:id", "--until-empty", "--name", "earlier"],
-            env=env, capture_output=True, text=True, timeout=40, cwd="/tmp",
+            [
+                sys.executable,
+                "-c",
+                "from pgq.cli import main; main()",
+                "consume",
+                "g",
+                "--handler",
+                "builtins:id",
+                "--until-empty",
+                "--name",
+                "earlier",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=40,
+            cwd="/tmp",
         )
         print(f"  the earlier version on the same group: rc={r.returncode}; states", states(s, "g"))
         print("  its stderr:", "\n  ".join(r.stderr.strip().splitlines()[-8:]))

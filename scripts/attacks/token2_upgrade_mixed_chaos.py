@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import DSN, PGQ, ROOT, Schema, states, verdict
+from _common import DSN, ROOT, Schema, states, verdict
 
 import pgq
 
@@ -41,7 +41,7 @@ SEED = int(os.environ.get("TOKEN2_SEED", str(int(time.time()))))
 LEASE = 1.0
 N0 = 400
 
-SITE = r'''
+SITE = r"""
 import json, os, threading
 _d = os.environ["ATK_DIR"]
 _log = open(os.path.join(_d, f"audit-{os.getpid()}.jsonl"), "a", buffering=1)
@@ -81,9 +81,9 @@ if G is not None:
             emit(op="claim", leases=[[r.id, r.seq] for r in rows])
         return rows
     G.GroupStore.claim = _claim
-'''
+"""
 
-HANDLER = r'''
+HANDLER = r"""
 import os, random, time, json
 from sitecustomize import emit
 def handle(msg):
@@ -91,7 +91,7 @@ def handle(msg):
     time.sleep(random.uniform(0.0, 0.08))
     if random.random() < 0.08:
         raise ValueError("flaky")
-'''
+"""
 
 
 def start(s: Schema, d: Path, name: str, ver: str) -> subprocess.Popen:
@@ -117,9 +117,23 @@ def start(s: Schema, d: Path, name: str, ver: str) -> subprocess.Popen:
     )
     log = open(d / f"{name}.log", "a")
     return subprocess.Popen(
-        [sys.executable, "-c", "from pgq.cli import main; main()", "consume", "g",
-         "--handler", "atk_handler:handle", "--workers", "4", "--name", name],
-        env=env, stdout=log, stderr=log, cwd=d,
+        [
+            sys.executable,
+            "-c",
+            "from pgq.cli import main; main()",
+            "consume",
+            "g",
+            "--handler",
+            "atk_handler:handle",
+            "--workers",
+            "4",
+            "--name",
+            name,
+        ],
+        env=env,
+        stdout=log,
+        stderr=log,
+        cwd=d,
     )
 
 
@@ -143,7 +157,9 @@ with Schema("t2upg") as s:
     try:
         while time.monotonic() < end:
             time.sleep(rng.uniform(0.3, 1.2))
-            published += pgq.publish_many(s.engine, "t", [{"n": i} for i in range(rng.randint(10, 60))])
+            published += pgq.publish_many(
+                s.engine, "t", [{"n": i} for i in range(rng.randint(10, 60))]
+            )
             name = rng.choice(sorted(procs))
             p = procs[name]
             act = rng.choice(["stop", "stop", "kill", "kill_claim", "takeover"])
@@ -156,8 +172,12 @@ with Schema("t2upg") as s:
                 p.send_signal(signal.SIGCONT)
                 resumed.append(p)
                 time.sleep(1.0)
-                actions["takeover_new_alive" if procs[name].poll() is None else "takeover_refused"] += 1
-                actions["takeover_original_alive" if p.poll() is None else "takeover_original_exited"] += 1
+                actions[
+                    "takeover_new_alive" if procs[name].poll() is None else "takeover_refused"
+                ] += 1
+                actions[
+                    "takeover_original_alive" if p.poll() is None else "takeover_original_exited"
+                ] += 1
             elif act == "stop":
                 p.send_signal(signal.SIGSTOP)
                 time.sleep(LEASE + rng.uniform(0.2, 1.5))
@@ -189,18 +209,33 @@ with Schema("t2upg") as s:
     print("actions", dict(actions), "final versions", vers)
     t0 = time.monotonic()
     r = s.pgq(
-        "consume", "g", "--handler", "atk_handler:handle", "--until-empty", "--wait-retries", "5",
-        "--name", "drain", "--workers", "4",
-        PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]), ATK_DIR=str(d), ATK_MEMBER="drain",
-        ATK_VER="new", PGQ_LEASE=str(LEASE), PGQ_RETRY_BACKOFF="0.2",
-        PGQ_RETRY_BACKOFF_MAX="0.5", PGQ_MAX_ATTEMPTS="50", PGQ_MAX_RECLAIMS="50",
+        "consume",
+        "g",
+        "--handler",
+        "atk_handler:handle",
+        "--until-empty",
+        "--wait-retries",
+        "5",
+        "--name",
+        "drain",
+        "--workers",
+        "4",
+        PYTHONPATH=os.pathsep.join([str(d), str(ROOT)]),
+        ATK_DIR=str(d),
+        ATK_MEMBER="drain",
+        ATK_VER="new",
+        PGQ_LEASE=str(LEASE),
+        PGQ_RETRY_BACKOFF="0.2",
+        PGQ_RETRY_BACKOFF_MAX="0.5",
+        PGQ_MAX_ATTEMPTS="50",
+        PGQ_MAX_RECLAIMS="50",
         timeout=60,
     )
     print(f"drain rc={r.returncode} in {time.monotonic() - t0:.1f}s", r.stderr[-500:])
     st = states(s, "g")
     print("states", st, "published", len(published))
     not_done = s.sql(
-        f"SELECT message_id, state, lease_owner, attempts, reclaims FROM \"{s.name}\".delivery"
+        f'SELECT message_id, state, lease_owner, attempts, reclaims FROM "{s.name}".delivery'
         " WHERE state <> 'done' ORDER BY 1"
     )
     if not_done:
@@ -244,7 +279,10 @@ with Schema("t2upg") as s:
     print("audited calls", dict(calls))
     print("refused (named, not applied)", dict(refused))
     tokens = collections.Counter(
-        ("neg" if l[1] < 0 else "pos", a["ver"]) for a in audit if a["op"] == "claim" for l in a["leases"]
+        ("neg" if l[1] < 0 else "pos", a["ver"])
+        for a in audit
+        if a["op"] == "claim"
+        for l in a["leases"]
     )
     print("claimed rows by token sign and version", dict(tokens))
 
