@@ -279,10 +279,10 @@ with Schema("t2upg") as s:
     print("audited calls", dict(calls))
     print("refused (named, not applied)", dict(refused))
     tokens = collections.Counter(
-        ("neg" if l[1] < 0 else "pos", a["ver"])
+        ("neg" if ls[1] < 0 else "pos", a["ver"])
         for a in audit
         if a["op"] == "claim"
-        for l in a["leases"]
+        for ls in a["leases"]
     )
     print("claimed rows by token sign and version", dict(tokens))
 
