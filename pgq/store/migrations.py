@@ -195,8 +195,3 @@ def _distribute(conn: Connection, schema: str) -> None:
         conn.execute(place.allow_triggers())
         conn.execute(place.create_xid_trigger(prep.quote_schema(schema), name(t.delivery)))
     logger.info("tables distributed schema=%s", schema)
-    logger.warning(
-        "pgq does not run on Citus yet schema=%s: the tables are placed, but claims and"
-        " probes fail there and liveness is wrong (docs/decisions/0023-citus-placement.md)",
-        schema,
-    )
