@@ -43,7 +43,7 @@ def main() -> None:
         wpid = w.execute("SELECT pg_backend_pid()").fetchone()[0]
         w.execute("SELECT pg_current_xact_id()")
         ids = pgq.publish_many(s.engine, "t", [{"n": i} for i in range(3)])
-        r = s.pgq("consume", "g", "--handler", "citus_handlers:record", "--until-empty",
+        s.pgq("consume", "g", "--handler", "citus_handlers:record", "--until-empty",
                   timeout=60, ATK_DIR=tmp, ATK_TAG="g")  # fmt: skip
         advance(s, gid)
         st = json.loads(s.pgq("status", "--json", "g").stdout)
