@@ -417,7 +417,11 @@ def main() -> None:
     )
     r.run("admin.purge_dead", admin.purge_dead(), {**audited, **pending})
     r.run("admin.audit_trail", admin.audit_trail(), {"gid": 1, "limit": 10})
-    r.run("admin.message_in_group", admin.message_in_group(), {"gid": 1, "mid": 1})
+    r.run(
+        "admin.message_in_group",
+        admin.message_in_group(),
+        {"gid": 1, "mid": 1, "message_xid": None},
+    )
     r.run("members.leave", members.leave(), {"gid": 1, "member": member, "started": started})
 
     print("== the replicas of the reference table consumer_group (must agree)")

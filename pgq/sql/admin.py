@@ -27,6 +27,7 @@ from sqlalchemy import (
     and_,
     any_,
     bindparam,
+    case,
     cast,
     func,
     insert,
@@ -292,32 +293,12 @@ def purge_dead_older() -> Executable:
 
 
 @cache
-def message_in_group() -> Select[Any]:
-    """Message `:mid` of group `:gid`'s topic with the group's row for it; no row when
-    the message is gone or of another topic.
-
-    Without a delivery row (`has_row` false) `behind_frontier` tells a done row
-    the frontier pruned; `purge_*` name the newest purge whose audit row lists
-    the id. Payload and headers come as JSON text (the caller decodes them: a
-    payload nested deeper than Python's decoder must not fail the read).
-    """
-    m, gid = t.message, bindparam("gid", type_=Integer)
-    purge = (
-        select(audit.c.id, audit.c.at, audit.c.actor, audit.c.reason)
-        .where(
-            d.c.message_id.is_(None),
-            audit.c.group_id == gid,
-            audit.c.action == PURGE_ACTION,
-            audit.c.message_ids.contains(func.jsonb_build_array(m.c.id)),
-        )
-        .order_by(audit.c.id.desc())
-        .limit(literal_column("1"))
-        .lateral("purge")
-    )
-    behind = and_(
-        gs.c.committed_id.is_not(None),
-        tuple_(m.c.xid, m.c.id) <= tuple_(gs.c.committed_xid, gs.c.committed_id),
-    )
+def message_of_topic() -> Select[Any]:
+    """Message `:mid` if it is of topic `:topic_id`: its fields and its publishing
+    transaction's xid. Payload and headers come as JSON text (the caller decodes
+    them: a payload nested deeper than Python's decoder must not fail the read).
+    The first read of `pgq show`; on Citus routed to the topic's shard."""
+    m = t.message
     return (
         select(
             m.c.id,
@@ -326,6 +307,54 @@ def message_in_group() -> Select[Any]:
             cast(m.c.payload, Text).label("payload"),
             cast(m.c.headers, Text).label("headers"),
             m.c.created_at,
+            m.c.xid,
+        )
+        .select_from(m.join(t.topic, t.topic.c.id == m.c.topic_id))
+        .where(
+            m.c.topic_id == bindparam("topic_id", type_=Integer),
+            m.c.id == bindparam("mid", type_=BigInteger),
+        )
+    )
+
+
+@cache
+def message_in_group() -> Select[Any]:
+    """Group `:gid`'s row for message `:mid` (all None without one), whether the
+    message is behind the group's frontier, and the newest purge whose audit row
+    lists the id. The second read of `pgq show` (after `message_of_topic`); on
+    Citus routed to the group's shard.
+
+    Without a delivery row (`has_row` false) `behind_frontier` tells a done row
+    the frontier pruned: the message's position (`:message_xid`, `:mid`) is at or
+    behind the frontier. On Citus the message's xid is the coordinator's and the
+    frontier counts in the group's node's xids (0023, section 5), so it is called
+    with `:message_xid` None and the id alone is compared: a pruned row whose id
+    is above the frontier's (a later id committed first) shows as not the
+    group's there.
+    """
+    gid, mid = bindparam("gid", type_=Integer), bindparam("mid", type_=BigInteger)
+    xid = cast(bindparam("message_xid", type_=Text), t.XID8())
+    purge = (
+        select(audit.c.id, audit.c.at, audit.c.actor, audit.c.reason)
+        .where(
+            d.c.message_id.is_(None),
+            audit.c.group_id == gid,
+            audit.c.action == PURGE_ACTION,
+            audit.c.message_ids.contains(func.jsonb_build_array(mid)),
+        )
+        .order_by(audit.c.id.desc())
+        .limit(literal_column("1"))
+        .lateral("purge")
+    )
+    behind = and_(
+        gs.c.committed_id.is_not(None),
+        case(
+            (xid.is_(None), mid <= gs.c.committed_id),
+            else_=tuple_(xid, mid) <= tuple_(gs.c.committed_xid, gs.c.committed_id),
+        ),
+    )
+    return (
+        select(
             d.c.message_id.is_not(None).label("has_row"),
             d.c.state,
             d.c.attempts,
@@ -347,13 +376,11 @@ def message_in_group() -> Select[Any]:
             purge.c.reason.label("purge_reason"),
         )
         .select_from(
-            m.join(g, and_(g.c.id == gid, g.c.topic_id == m.c.topic_id))
-            .join(t.topic, t.topic.c.id == m.c.topic_id)
-            .outerjoin(gs, gs.c.group_id == g.c.id)
-            .outerjoin(d, and_(d.c.group_id == g.c.id, d.c.message_id == m.c.id))
-            .outerjoin(purge, true())
+            gs.outerjoin(d, and_(d.c.group_id == gs.c.group_id, d.c.message_id == mid)).outerjoin(
+                purge, true()
+            )
         )
-        .where(m.c.id == bindparam("mid", type_=BigInteger))
+        .where(gs.c.group_id == gid)
     )
 
 

@@ -13,7 +13,7 @@ import math
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Engine, Row
 
@@ -27,6 +27,7 @@ from pgq.sql.publish import notify_channel
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
 from pgq.store.inspect import snapshot
+from pgq.store.placement import distributed
 from pgq.store.topics import group_info
 
 MAX_LISTED_IDS = 10_000
@@ -241,7 +242,7 @@ def purge(
     return PurgeResult(count=int(count), kept=int(kept), audit_id=int(audit_id))
 
 
-def message_row(engine: Engine, group: str, message_id: int) -> Row[Any] | None:
+def message_row(engine: Engine, group: str, message_id: int) -> MessageRow | None:
     """Message `message_id` of `group`'s topic with the group's delivery row (see
     `pgq.sql.admin.message_in_group`), or None when there is no such message.
 
@@ -249,8 +250,47 @@ def message_row(engine: Engine, group: str, message_id: int) -> Row[Any] | None:
     """
     mid = check_message_id(message_id)
     with snapshot(engine) as conn:
-        gid = group_info(conn, group).id
-        return conn.execute(q.message_in_group(), {"gid": gid, "mid": mid}).one_or_none()
+        info = group_info(conn, group)
+        found = conn.execute(q.message_of_topic(), {"topic_id": info.topic_id, "mid": mid})
+        message = found.one_or_none()
+        if message is None:
+            return None
+        xid = None if distributed(conn) else message.xid
+        params = {"gid": info.id, "mid": mid, "message_xid": xid}
+        row = conn.execute(q.message_in_group(), params).one_or_none()
+        if row is None:  # no group_state row (a group subscribed by a version before 4)
+            return None
+        return MessageRow(*message[:-1], *row)
+
+
+class MessageRow(NamedTuple):
+    """A message and its group's row, as `pgq.monitor.message` reads them."""
+
+    id: int
+    topic: str
+    key: str | None
+    payload: str
+    headers: str | None
+    created_at: dt.datetime
+    has_row: bool
+    state: str | None
+    attempts: int | None
+    reclaims: int | None
+    refundable_attempts: int | None
+    refundable_reclaims: int | None
+    refunds: int | None
+    error_class: str | None
+    last_error: str | None
+    error_epoch: int | None
+    lease_owner: str | None
+    lease_expires_at: dt.datetime | None
+    available_at: dt.datetime | None
+    updated_at: dt.datetime | None
+    behind_frontier: bool
+    purge_audit_id: int | None
+    purged_at: dt.datetime | None
+    purged_by: str | None
+    purge_reason: str | None
 
 
 def audit_rows(engine: Engine, group: str, limit: int) -> list[Row[Any]]:

@@ -419,3 +419,31 @@ def test_a_member_holding_its_lock_is_live_on_the_cluster():
         finally:
             session.release()
         assert run_once(engine, other.drain_state, 30.0).held == 2  # m1 is gone
+
+
+def test_show_reads_a_message_and_its_row_on_the_cluster():
+    """`pgq show` on the cluster (0023, section 2: it failed, joining `message` and
+    `delivery`): the message from the topic's shard, the group's row from the
+    group's, each a router plan; a done row the frontier pruned shows as done."""
+    from pgq import monitor
+    from pgq.sql import admin
+
+    with distributed_schema() as (engine, gid):
+        params = {"topic_id": topic_of(engine), "mid": 1}
+        assert is_router(plan(engine, admin.message_of_topic(), params))
+        lines = plan(engine, admin.message_in_group(), {"gid": gid, "mid": 1, "message_xid": None})
+        assert is_router(lines), "\n".join(lines)
+        shown = monitor.message(engine, "billing", 1)
+        assert (shown["row"], shown["state"], shown["payload"]) == ("present", "ready", {"n": 0})
+        store = GroupStore(gid, "billing", "orders", "m1", 30.0, 3)
+        claimed = run_once(engine, store.claim, 5, 0)
+        from pgq.records import Outcome
+
+        run_once(engine, store.record, [Outcome(c, "done") for c in claimed])
+        run_once(engine, store.advance_frontier)
+        pruned = monitor.message(engine, "billing", 1)
+        assert (pruned["row"], pruned["state"], pruned["behind_frontier"]) == (
+            "pruned",
+            "done",
+            True,
+        )
