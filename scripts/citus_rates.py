@@ -109,7 +109,11 @@ def plans(dsn: str) -> list[tuple[str, str]]:
             | {"tripped_epoch": None},
         ),
         ("sweep", claim.sweep_expired(), {"limit": 100, "max_reclaims": 3}),
-        ("drain check", members.drain_state(), {**member, "ttl": 30 * SECOND} | present),
+        (
+            "drain check",
+            members.drain_state(),
+            {**member, "ttl": 30 * SECOND, "wait": SECOND} | present,
+        ),
         ("frontier advance", frontier.advance_frontier(), {}),
         ("breaker state", breaker.state(), {}),
         (
@@ -154,15 +158,18 @@ def main() -> None:
     parser.add_argument("--single", default="postgresql://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--citus", default="postgresql://postgres@127.0.0.1:9701/postgres")
     parser.add_argument("--n", type=int, default=5000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="0: the plans only")
     args = parser.parse_args()
     results: dict[str, list[dict[str, float]]] = {"one server": [], "Citus 3 nodes": []}
     for _ in range(args.rounds):
         results["one server"].append(one_round(args.single, False, args.n))
         results["Citus 3 nodes"].append(one_round(args.citus, True, args.n))
-    print("| target | publish_many (100/batch) msgs/s | publish (1/tx) msgs/s | consume msgs/s |")
-    print("| --- | ---: | ---: | ---: |")
-    for target, rounds in results.items():
+    if args.rounds:
+        print(
+            "| target | publish_many (100/batch) msgs/s | publish (1/tx) msgs/s | consume msgs/s |"
+        )
+        print("| --- | ---: | ---: | ---: |")
+    for target, rounds in results.items() if args.rounds else ():
         cells = [
             f"{statistics.median(r[k] for r in rounds):,.0f}"
             for k in ("publish_many", "publish", "consume")
