@@ -135,3 +135,28 @@ def create_xid_trigger(schema: str, delivery: str) -> TextClause:
         f"CREATE TRIGGER {XID_TRIGGER} BEFORE INSERT ON {delivery}"
         f" FOR EACH ROW EXECUTE FUNCTION {schema}.{XID_TRIGGER}()"
     )
+
+
+def group_nodes() -> Executable:
+    """The node (`nodename`, `nodeport`) holding the `delivery` shard of each group of
+    `:gids` (`:delivery` is the table's qualified name)."""
+    return text(
+        "SELECT g.id AS group_id, s.nodename, s.nodeport"
+        " FROM unnest(CAST(:gids AS integer[])) AS g(id)"
+        " JOIN pg_catalog.citus_shards s ON s.shardid ="
+        " pg_catalog.get_shard_id_for_distribution_column(CAST(:delivery AS regclass), g.id)"
+    )
+
+
+def on_workers() -> Executable:
+    """`:command` (one value) run on every worker: nodename, nodeport, success, result."""
+    return text(
+        "SELECT nodename, nodeport, success, result"
+        " FROM pg_catalog.run_command_on_workers(CAST(:command AS text))"
+    )
+
+
+def backend_gpid() -> Executable:
+    """This backend's global process id (its backends on the workers carry it in
+    their `application_name`, `citus_internal gpid=…`)."""
+    return text("SELECT pg_catalog.citus_backend_gpid()")

@@ -205,7 +205,7 @@ _activity = table(
 
 
 @cache
-def frontier_holder() -> Select[Any]:
+def frontier_holder(excluding: str | None = None) -> Select[Any]:
     """The backend, in any database of the cluster, with the oldest open transaction id.
 
     The frontier only passes transactions older than the snapshot's xmin, which
@@ -215,6 +215,8 @@ def frontier_holder() -> Select[Any]:
     only used to break ties.) This session and its parallel workers are left out.
     Sessions of other roles are visible only with `pg_read_all_stats`. Ages are
     in seconds since the holder's transaction started, by the database clock.
+    `excluding`: an `application_name` left out too (on a Citus worker, the
+    backends of the distributed read that asks).
     """
     a = _activity
     return (
@@ -232,6 +234,7 @@ def frontier_holder() -> Select[Any]:
         .where(
             a.c.backend_xid.is_not(None),
             func.coalesce(a.c.leader_pid, a.c.pid) != func.pg_backend_pid(),
+            a.c.application_name.is_distinct_from(excluding),
         )
         .order_by(
             func.age(a.c.backend_xid).desc(),

@@ -8,17 +8,22 @@ the contract's JSON objects.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import Connection, Engine, Row
 
 from pgq.breaker import pending_scope
 from pgq.sql import admin as aq
+from pgq.sql import placement as place
 from pgq.sql import status as q
+from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
 from pgq.store.members import lock_holders
+from pgq.store.placement import distributed
 from pgq.store.topics import group_info
 
 
@@ -58,6 +63,29 @@ def _holder(conn: Connection) -> Row[Any] | None:
     return conn.execute(q.frontier_holder()).one_or_none()
 
 
+def _holders(conn: Connection, gids: list[int]) -> dict[int, Any]:
+    """What holds each group's frontier back (`q.frontier_holder`): on one server the
+    same backend for every group; on Citus the oldest transaction on the node of the
+    group's shard, where its frontier is computed (decision 0023, section 5), asked
+    through `run_command_on_workers`."""
+    if not distributed(conn):
+        holder = _holder(conn)
+        return {gid: holder for gid in gids}
+    # this read's own backends on the workers hold nothing back: left out
+    gpid = int(conn.scalar(place.backend_gpid()))
+    query = q.frontier_holder(f"citus_internal gpid={gpid}").compile(
+        dialect=conn.dialect, compile_kwargs={"literal_binds": True}
+    )
+    command = f"SELECT coalesce((SELECT row_to_json(h)::text FROM ({query}) h), '')"
+    held = {}
+    for r in conn.execute(place.on_workers(), {"command": command}):
+        if r.success and r.result:
+            held[(r.nodename, r.nodeport)] = SimpleNamespace(**json.loads(r.result))
+    delivery = f'"{schema_of(conn)}".delivery'
+    nodes = conn.execute(place.group_nodes(), {"gids": gids, "delivery": delivery})
+    return {n.group_id: held.get((n.nodename, n.nodeport)) for n in nodes}
+
+
 def _members(
     conn: Connection, ttl: float, recent: float | None, gid: int | None = None
 ) -> list[Row[Any]]:
@@ -78,7 +106,7 @@ def group_status(engine: Engine, group: str, member_ttl: float, recent: float | 
         counts = conn.execute(q.group_counts(), {"group_id": gid}).one()._asdict()
         members = _members(conn, member_ttl, recent, gid)
         prober = _probers(conn, gid).get(gid)
-        return GroupRows(row, counts, members, _holder(conn), prober)
+        return GroupRows(row, counts, members, _holders(conn, [gid])[gid], prober)
 
 
 def all_group_status(engine: Engine, member_ttl: float, recent: float | None) -> list[GroupRows]:
@@ -90,9 +118,9 @@ def all_group_status(engine: Engine, member_ttl: float, recent: float | None) ->
         members: dict[int, list[Row[Any]]] = {}
         for m in _members(conn, member_ttl, recent):
             members.setdefault(m.group_id, []).append(m)
-        holder = _holder(conn)
+        holders = _holders(conn, [r.id for r in rows])
     return [
-        GroupRows(r, counts.get(r.id), members.get(r.id, []), holder, probers.get(r.id))
+        GroupRows(r, counts.get(r.id), members.get(r.id, []), holders.get(r.id), probers.get(r.id))
         for r in rows
     ]
 

@@ -447,3 +447,34 @@ def test_show_reads_a_message_and_its_row_on_the_cluster():
             "done",
             True,
         )
+
+
+def test_status_names_what_holds_each_groups_frontier_on_its_worker():
+    """A group's frontier is computed on the worker of its shard, in that node's xids
+    (0023, section 5): `frontier_held_by` names the oldest transaction there, not
+    the coordinator's, nor the status read's own backends on the workers."""
+    from pgq import monitor
+    from pgq.sql import placement
+
+    with distributed_schema() as (engine, gid):
+        pgq.subscribe(engine, "audit", "orders")
+        with engine.connect() as conn:
+            delivery = f'"{schema_of(engine)}".delivery'
+            gids = [gid, gid + 1]
+            nodes = {
+                r.group_id: r.nodeport
+                for r in conn.execute(placement.group_nodes(), {"gids": gids, "delivery": delivery})
+            }
+        holders = {}
+        for port in sorted(set(nodes.values())):
+            worker = psycopg.connect(CITUS_DSN.replace(":9701/", f":{port}/"))
+            worker.execute("SELECT pg_current_xact_id()")
+            holders[port] = worker
+        try:
+            groups = {g["group"]: g for g in monitor.status_all(engine, member_ttl=30)["groups"]}
+            for name, group_id in (("billing", gid), ("audit", gid + 1)):
+                held = groups[name]["frontier_held_by"]
+                assert held is not None and held["pid"] == holders[nodes[group_id]].info.backend_pid
+        finally:
+            for worker in holders.values():
+                worker.close()
