@@ -24,9 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helpers import consumer_env, spawn_pgq
+from helpers import FAST, consumer_env, spawn_pgq
+from sqlalchemy import Engine
 
 import pgq
+
+from .handlers import AttemptLog
 
 HANDLER = "chaos.handlers:work"
 
@@ -245,3 +248,42 @@ class Members:
     def faults(self) -> list[ProcEvent]:
         """The kills and pauses (and resumes) sent, in order."""
         return [e for e in self.events if e.kind in ("kill9", "stop", "cont")]
+
+
+IN_PROCESS = {**FAST, "lease": float(CHAOS_SETTINGS["PGQ_LEASE"]), "shutdown_grace": 5.0}
+"""Settings of the in-process members (the chaos's lease)."""
+
+
+class InProcessMembers:
+    """In-process members (through the proxy), one per group started, each logging
+    its attempts: they keep late-subscribed groups up and retention deleting while
+    the chaos runs."""
+
+    def __init__(self, engine: Engine, out: Path) -> None:
+        self.engine = engine
+        self.out = out
+        self.running: list[tuple[pgq.Consumer, AttemptLog]] = []
+
+    def start(self, group: str) -> None:
+        log = AttemptLog(self.out, f"in-{group}", sleep=0.002)
+        consumer = pgq.Consumer(
+            self.engine, group, log, workers=2, name=f"in-{group}", **IN_PROCESS
+        )
+        consumer.start()
+        self.running.append((consumer, log))
+
+    def stop(self) -> list[str]:
+        """Stop them all; what went wrong."""
+        problems = []
+        for consumer, _ in self.running:
+            consumer.request_stop()
+        for consumer, log in self.running:
+            try:
+                consumer.stop(timeout=10)
+            except Exception as exc:  # reported with the summary
+                problems.append(f"{log.member}: stop raised {type(exc).__name__}: {exc}")
+            if not consumer.clean:
+                problems.append(f"{log.member}: unclean stop")
+            log.close()
+        self.running = []
+        return problems

@@ -20,15 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import FAST
 from sqlalchemy import Engine
 
 import pgq
 
 from . import history
 from .drivers import Drivers
-from .handlers import AttemptLog
-from .procs import CHAOS_SETTINGS, Member, Members
+from .procs import CHAOS_SETTINGS, InProcessMembers, Member, Members
 from .proxy import Proxy
 
 SECONDS = float(os.environ.get("CHAOSQ_SECONDS") or 12)
@@ -40,7 +38,6 @@ CYCLE = min(12.0, SECONDS)
 LEASE = float(CHAOS_SETTINGS["PGQ_LEASE"])
 TTL = float(CHAOS_SETTINGS["PGQ_BREAKER_MEMBER_TTL"])
 TOPIC, GROUP = "chaos", "work"
-IN_PROCESS = {**FAST, "lease": LEASE, "shutdown_grace": 5.0}
 """The in-process members' settings: the same short ones as the processes'."""
 NAMES = ("m1", "m2", "m3")
 
@@ -51,44 +48,10 @@ def sleep_until(moment: float) -> None:
     time.sleep(max(0.0, moment - time.monotonic()))
 
 
-class LateConsumers:
-    """An in-process member (through the proxy) for every group a driver subscribes,
-    so the late groups keep up and retention keeps deleting while the chaos runs."""
-
-    def __init__(self, engine: Engine, out: Path) -> None:
-        self.engine = engine
-        self.out = out
-        self.running: list[tuple[pgq.Consumer, AttemptLog]] = []
-
-    def __call__(self, group: str) -> None:
-        log = AttemptLog(self.out, f"in-{group}", sleep=0.002)
-        consumer = pgq.Consumer(
-            self.engine, group, log, workers=2, name=f"in-{group}", **IN_PROCESS
-        )
-        consumer.start()
-        self.running.append((consumer, log))
-
-    def stop(self) -> list[str]:
-        """Stop them all; what went wrong."""
-        problems = []
-        for consumer, _ in self.running:
-            consumer.request_stop()
-        for consumer, log in self.running:
-            try:
-                consumer.stop(timeout=10)
-            except Exception as exc:  # reported with the summary
-                problems.append(f"{log.member}: stop raised {type(exc).__name__}: {exc}")
-            if not consumer.clean:
-                problems.append(f"{log.member}: unclean stop")
-            log.close()
-        self.running = []
-        return problems
-
-
 @pytest.fixture
-def late(pg_dsn: str, schema: str, proxy: Proxy, out: Path) -> Iterator[LateConsumers]:
+def late(pg_dsn: str, schema: str, proxy: Proxy, out: Path) -> Iterator[InProcessMembers]:
     engine = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
-    consumers = LateConsumers(engine, out)
+    consumers = InProcessMembers(engine, out)
     try:
         yield consumers
     finally:
@@ -140,7 +103,7 @@ def test_nothing_is_lost_through_kills_pauses_and_cuts(
     pgq_env: dict[str, str],
     proxy: Proxy,
     members: Members,
-    late: LateConsumers,
+    late: InProcessMembers,
     out: Path,
 ) -> None:
     began = time.monotonic()
@@ -155,7 +118,7 @@ def test_nothing_is_lost_through_kills_pauses_and_cuts(
         drivers.publish(threads=3, tx_threads=1, interval=0.05)
         late_groups = 2 if SECONDS <= 60 else 3
         drivers.subscribe(
-            count=late_groups, interval=SECONDS / (late_groups + 1), on_subscribe=late
+            count=late_groups, interval=SECONDS / (late_groups + 1), on_subscribe=late.start
         )
         drivers.retain(interval=0.5)
         chaos(engine, members, proxy, notes)

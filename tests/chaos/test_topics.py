@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 from fixtures.database import DISTRIBUTED
-from helpers import FAST
 from psycopg.conninfo import make_conninfo
 from sqlalchemy import Engine
 
@@ -34,8 +33,7 @@ import pgq
 from . import history
 from .drivers import Drivers, Record
 from .frontier import FrontierWatch
-from .handlers import AttemptLog
-from .procs import CHAOS_SETTINGS, Member, Members
+from .procs import CHAOS_SETTINGS, InProcessMembers, Member, Members
 from .proxy import Proxy
 
 SECONDS = float(os.environ.get("CHAOSQ_TOPICS_SECONDS") or (35 if DISTRIBUTED else 0))
@@ -45,7 +43,6 @@ CYCLE = 10.0
 LEASE = float(CHAOS_SETTINGS["PGQ_LEASE"])
 TTL = float(CHAOS_SETTINGS["PGQ_BREAKER_MEMBER_TTL"])
 TOPICS = ("ta", "tb")
-IN_PROCESS = {**FAST, "lease": LEASE, "shutdown_grace": 5.0}
 STATEMENT_TIMEOUT = 10.0
 """Seconds a driver's statement may take (a publisher's lock wait)."""
 
@@ -64,43 +61,10 @@ def groups_of(topic: str) -> list[str]:
     return [f"{topic}{g}" for g in "abc"]
 
 
-class InProcess:
-    """In-process members (through the proxy), each logging its attempts."""
-
-    def __init__(self, engine: Engine, out: Path) -> None:
-        self.engine = engine
-        self.out = out
-        self.running: list[tuple[pgq.Consumer, AttemptLog]] = []
-
-    def start(self, group: str) -> None:
-        log = AttemptLog(self.out, f"in-{group}", sleep=0.002)
-        consumer = pgq.Consumer(
-            self.engine, group, log, workers=2, name=f"in-{group}", **IN_PROCESS
-        )
-        consumer.start()
-        self.running.append((consumer, log))
-
-    def stop(self) -> list[str]:
-        """Stop them all; what went wrong."""
-        problems = []
-        for consumer, _ in self.running:
-            consumer.request_stop()
-        for consumer, log in self.running:
-            try:
-                consumer.stop(timeout=10)
-            except Exception as exc:  # reported with the summary
-                problems.append(f"{log.member}: stop raised {type(exc).__name__}: {exc}")
-            if not consumer.clean:
-                problems.append(f"{log.member}: unclean stop")
-            log.close()
-        self.running = []
-        return problems
-
-
 @pytest.fixture
-def in_process(pg_dsn: str, schema: str, proxy: Proxy, out: Path) -> Iterator[InProcess]:
+def in_process(pg_dsn: str, schema: str, proxy: Proxy, out: Path) -> Iterator[InProcessMembers]:
     engine = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
-    consumers = InProcess(engine, out)
+    consumers = InProcessMembers(engine, out)
     try:
         yield consumers
     finally:
@@ -141,7 +105,7 @@ def test_two_topics_three_groups_nothing_lost_and_the_frontier_never_passes(
     pgq_env: dict[str, str],
     proxy: Proxy,
     members: Members,
-    in_process: InProcess,
+    in_process: InProcessMembers,
     out: Path,
 ) -> None:
     began = time.monotonic()
