@@ -4,7 +4,8 @@ prepared transaction on the topic's worker, left there by a worker connection cu
 Citus's recovery (`citus.recover_2pc_interval`, 1 min here).
 
 Topic `t` has no group (with `ATK_WITH_GROUP=1`: one group, `first`); its `message`
-shard is on worker X. A publisher commits one
+shard is on worker X (`ATK_TOPIC_PORT=9702`: on that worker, Citus's first, where a
+reference table's writes take their shard lock). A publisher commits one
 message per transaction on one coordinator session while a thread terminates that
 session's backends on X once they sit idle after `PREPARE TRANSACTION`; it stops once a
 publish is left prepared on X (>100 ms). Then `pgq.subscribe(engine, "late", "t")`
@@ -38,11 +39,18 @@ BOUND = 20.0
 def main() -> None:
     problems: list[str] = []
     with CitusSchema("subpend") as s:
-        pgq.create_topic(s.engine, "t")
+        want = int(os.environ.get("ATK_TOPIC_PORT", "0"))  # put t's shard on this worker
+        n = 0
+        while True:
+            pgq.create_topic(s.engine, f"t{n}")
+            if not want or s.topic_port(f"t{n}") == want:
+                break
+            n += 1
+        T = f"t{n}"
         pgq.create_topic(s.engine, "u")
         if os.environ.get("ATK_WITH_GROUP") == "1":  # publishes then also write a group's rows
-            pgq.subscribe(s.engine, "first", "t")
-        x = s.topic_port("t")
+            pgq.subscribe(s.engine, "first", T)
+        x = s.topic_port(T)
         pub = s.engine.connect()
         cpid = pub.execute(text("SELECT pg_backend_pid()")).scalar()
         pub.commit()
@@ -68,7 +76,7 @@ def main() -> None:
         while time.monotonic() < deadline and not pending:
             try:
                 with pub.begin():
-                    published += pgq.publish_many(pub, "t", [{"n": len(published)}])
+                    published += pgq.publish_many(pub, T, [{"n": len(published)}])
             except Exception:
                 try:
                     pub.rollback()
@@ -88,7 +96,7 @@ def main() -> None:
             verdict([], "subscribe vs a half-done publish (window not reached this run)")
         visible = {
             r[0]
-            for r in s.sql(f'SELECT id FROM "{s.name}".message WHERE topic_id = :t', t=s.tid("t"))
+            for r in s.sql(f'SELECT id FROM "{s.name}".message WHERE topic_id = :t', t=s.tid(T))
         }
         print(f"messages of t published but not visible now: {sorted(set(published) - visible)}")
         took: dict[str, float] = {}
@@ -104,16 +112,17 @@ def main() -> None:
 
         other = pgq.connect(DSN, schema=s.name)
         jobs = {
-            "subscribe late->t": lambda: pgq.subscribe(s.engine, "late", "t"),
+            "subscribe late->t": lambda: pgq.subscribe(s.engine, "late", T),
             "subscribe other->u": lambda: pgq.subscribe(other, "other", "u"),
-            "publish t": lambda: pgq.publish(other, "t", {"after": True}),
+            "publish t": lambda: pgq.publish(other, T, {"after": True}),
         }
         threads = [threading.Thread(target=timed, args=(n, f)) for n, f in jobs.items()]
         for t_ in threads:
             t_.start()
             time.sleep(0.2)
+        until = time.monotonic() + BOUND
         for t_ in threads:
-            t_.join(timeout=BOUND)
+            t_.join(timeout=max(0.0, until - time.monotonic()))
         blocked = [n for n, t_ in zip(jobs, threads, strict=True) if t_.is_alive()]
         node_sql(9701, "SELECT recover_prepared_transactions()")
         for t_ in threads:
@@ -129,7 +138,7 @@ def main() -> None:
             )
         msgs = {
             r[0]
-            for r in s.sql(f'SELECT id FROM "{s.name}".message WHERE topic_id = :t', t=s.tid("t"))
+            for r in s.sql(f'SELECT id FROM "{s.name}".message WHERE topic_id = :t', t=s.tid(T))
         }
         rows = {
             r[0]
