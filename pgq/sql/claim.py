@@ -263,6 +263,26 @@ def release() -> Executable:
 
 
 @cache
+def postpone() -> Executable:
+    """Put the leases `:ids`/`:seqs` held by `:member` back to ready, due in `:delay`,
+    uncharged: their messages are not visible yet. On Citus a publish commits node
+    by node, so a group's row can be visible before its message is on the topic's
+    node (scripts/attacks/citus_claim_before_message_commits.py)."""
+    return (
+        update(d)
+        .where(fenced())
+        .values(
+            state=t.READY,
+            lease_owner=None,
+            lease_expires_at=None,
+            available_at=func.now() + bindparam("delay", type_=Interval),
+            updated_at=func.now(),
+        )
+        .returning(d.c.message_id, d.c.lease_seq)
+    )
+
+
+@cache
 def sweep_expired() -> Executable:
     """Reclaim up to `:limit` rows of `:gid` whose lease expired without an outcome.
 

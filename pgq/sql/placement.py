@@ -14,6 +14,8 @@ inserts it (the column's default is evaluated on the coordinator; 0023, section 
 
 from __future__ import annotations
 
+import datetime as dt
+
 from sqlalchemy import Table, text
 from sqlalchemy.sql import Executable, TextClause
 
@@ -137,14 +139,14 @@ def create_xid_trigger(schema: str, delivery: str) -> TextClause:
     )
 
 
-def group_nodes() -> Executable:
-    """The node (`nodename`, `nodeport`) holding the `delivery` shard of each group of
-    `:gids` (`:delivery` is the table's qualified name)."""
+def shard_nodes() -> Executable:
+    """The node (`nodename`, `nodeport`) holding the shard of `:table` (a qualified
+    name) for each distribution value of `:values`."""
     return text(
-        "SELECT g.id AS group_id, s.nodename, s.nodeport"
-        " FROM unnest(CAST(:gids AS integer[])) AS g(id)"
+        "SELECT v.value, s.nodename, s.nodeport"
+        " FROM unnest(CAST(:values AS integer[])) AS v(value)"
         " JOIN pg_catalog.citus_shards s ON s.shardid ="
-        " pg_catalog.get_shard_id_for_distribution_column(CAST(:delivery AS regclass), g.id)"
+        " pg_catalog.get_shard_id_for_distribution_column(CAST(:table AS regclass), v.value)"
     )
 
 
@@ -160,3 +162,30 @@ def backend_gpid() -> Executable:
     """This backend's global process id (its backends on the workers carry it in
     their `application_name`, `citus_internal gpid=…`)."""
     return text("SELECT pg_catalog.citus_backend_gpid()")
+
+
+def pending_commits(before: dt.datetime) -> str:
+    """A command for `on_workers`: how many transactions of this database were
+    prepared on the worker before `before` and are not yet committed or rolled back
+    (a distributed transaction's part between its `PREPARE` and `COMMIT PREPARED`,
+    or left in doubt until Citus recovers it). `before` is a timestamp pgq took
+    from the database, written in as an ISO literal."""
+    return (
+        "SELECT count(*) FROM pg_catalog.pg_prepared_xacts"
+        " WHERE database = current_database()"
+        f" AND prepared < '{before.isoformat()}'::timestamptz"
+    )
+
+
+def cutoff() -> Executable:
+    """Now plus a second, by the coordinator's clock: prepared transactions before it
+    may be parts of what a read just saw committed elsewhere (the second covers
+    the nodes' clocks disagreeing a little)."""
+    return text("SELECT clock_timestamp() + interval '1 second'")
+
+
+def recover_prepared() -> Executable:
+    """Commit or roll back the prepared transactions whose outcome the coordinator
+    knows (Citus's own recovery, which otherwise runs every
+    `citus.recover_2pc_interval`)."""
+    return text("SELECT pg_catalog.recover_prepared_transactions()")

@@ -56,6 +56,11 @@ VACUUM_MIN_AGE = 5.0
 """ANALYZE delivery when at least 1,000 rows and 20 % of it changed since the last
 analyze, and that one is at least 30 s old (see `pgq.sql.stats`)."""
 
+UNSEEN_DELAY = 1.0
+"""Seconds a claimed row whose message is not visible yet waits before it is due
+again (on Citus: its publish has not committed on the topic's node yet)."""
+UNSEEN = dt.timedelta(seconds=UNSEEN_DELAY)
+
 EXPIRE_BATCH = 5000
 """Messages one retention statement deletes at most (one short transaction each)."""
 
@@ -205,13 +210,20 @@ class GroupStore:
             {"topic_id": self.topic_id, "ids": int_array(r[0] for r in leased)},
         )
         bodies = {r[0]: r[1:] for r in found}
-        rows = []
+        rows, unseen = [], []
         for message_id, seq, attempts, epoch in leased:
             body = bodies.get(message_id)
-            if body is None:  # a delivery row keeps its message: never seen
-                logger.error("claimed message not found id=%d group=%s", message_id, self.group)
-                continue
-            rows.append((message_id, seq, attempts, *body, epoch))
+            if body is None:
+                unseen.append(Lease(message_id, seq))
+            else:
+                rows.append((message_id, seq, attempts, *body, epoch))
+        if unseen:
+            logger.info(
+                "claimed messages not visible yet group=%s ids=%s: back in %g s",
+                *(self.group, [lease.id for lease in unseen], UNSEEN_DELAY),
+            )
+            params = {"gid": self.gid, "member": self.member, "delay": UNSEEN}
+            run_hot(conn, claim_sql.postpone(), {**params, **_lease_params(unseen)})
         return rows
 
     def claim_probe(
@@ -620,12 +632,19 @@ class GroupStore:
         conn.execute(locks_sql.topic_lock(shared=True), {"key": key})
         conn.execute(frontier_sql.without_jit())
         groups = conn.execute(frontier_sql.groups_of_topic(), params).scalars().all()
+        nodes = set(placement.nodes_of(conn, f'"{schema_of(conn)}".delivery', groups).values())
         free: list[int] = []
         after = 0
         while len(free) < limit:
             page = conn.execute(frontier_sql.expired_candidates(), {**params, "after": after})
             ids = list(page.scalars())
             if not ids:
+                break
+            # a message seen committed may have its delivery rows still prepared on a
+            # group's node (its commit reaches nodes one after the other): invisible to
+            # `held_by_group`, and deleted under them (citus_retention_pending_commit_orphan)
+            if nodes & placement.nodes_committing(conn, placement.cutoff(conn)):
+                logger.info("retention waits for two-phase commits topic=%s", self.topic)
                 break
             after = ids[-1]
             free += self._unheld(conn, groups, ids)

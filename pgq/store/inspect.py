@@ -23,7 +23,7 @@ from pgq.sql import status as q
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
 from pgq.store.members import lock_holders
-from pgq.store.placement import distributed
+from pgq.store.placement import distributed, nodes_of
 from pgq.store.topics import group_info
 
 
@@ -81,9 +81,8 @@ def _holders(conn: Connection, gids: list[int]) -> dict[int, Any]:
     for r in conn.execute(place.on_workers(), {"command": command}):
         if r.success and r.result:
             held[(r.nodename, r.nodeport)] = SimpleNamespace(**json.loads(r.result))
-    delivery = f'"{schema_of(conn)}".delivery'
-    nodes = conn.execute(place.group_nodes(), {"gids": gids, "delivery": delivery})
-    return {n.group_id: held.get((n.nodename, n.nodeport)) for n in nodes}
+    nodes = nodes_of(conn, f'"{schema_of(conn)}".delivery', gids)
+    return {gid: held.get(node) for gid, node in nodes.items()}
 
 
 def _members(

@@ -8,11 +8,19 @@ base. A schema is distributed when its `delivery` table is (`pgq init --distribu
 
 from __future__ import annotations
 
+import datetime as dt
+import logging
 import threading
+import time
+from collections.abc import Iterable
 
 from sqlalchemy import Connection, Engine
 
+from pgq.errors import PgqError
+from pgq.sql import placement as place
 from pgq.store.engine import conninfo_of, schema_of
+
+logger = logging.getLogger("pgq.store")
 
 _known: dict[tuple[str, str], bool] = {}
 _lock = threading.Lock()
@@ -69,3 +77,57 @@ def forget(engine: Engine) -> None:
     """Drop what is known of `engine`'s schema (after `migrate(distributed=True)`)."""
     with _lock:
         _known.pop(_key(engine), None)
+
+
+def nodes_committing(conn: Connection, before: dt.datetime) -> set[tuple[str, int]]:
+    """The workers where a transaction of this database prepared before `before` is
+    not yet committed (`place.pending_commits`); a worker that does not answer
+    counts as one.
+
+    A distributed transaction becomes visible node by node: its parts are
+    prepared everywhere, then committed one node after the other. Between the
+    two, or for as long as a cut leaves a part in doubt, a message can be visible
+    on its topic's node while its delivery rows are not on a group's node, or the
+    other way round (scripts/attacks/citus_*_pending_commit*.py)."""
+    rows = conn.execute(place.on_workers(), {"command": place.pending_commits(before)})
+    return {(r.nodename, r.nodeport) for r in rows if not (r.success and r.result == "0")}
+
+
+def nodes_of(conn: Connection, table: str, values: Iterable[int]) -> dict[int, tuple[str, int]]:
+    """The worker holding the shard of `table` (a qualified name) for each
+    distribution value of `values`."""
+    rows = conn.execute(place.shard_nodes(), {"values": list(values), "table": table})
+    return {r.value: (r.nodename, r.nodeport) for r in rows}
+
+
+def cutoff(conn: Connection) -> dt.datetime:
+    """`place.cutoff`: a time after which nothing prepared is part of what was read."""
+    return conn.execute(place.cutoff()).scalar_one()
+
+
+def wait_for_commits(conn: Connection, before: dt.datetime, what: str) -> None:
+    """Wait until no transaction prepared on a worker before `before` is left
+    uncommitted; after 2 s ask Citus to recover those in doubt
+    (`place.recover_prepared`: a part a cut left prepared otherwise waits for
+    `citus.recover_2pc_interval`, a minute by default, and holds its locks);
+    `PgqError` after `COMMIT_WAIT` seconds."""
+    start = time.monotonic()
+    recovered = False
+    while pending := nodes_committing(conn, before):
+        waited = time.monotonic() - start
+        nodes = ", ".join(f"{host}:{port}" for host, port in sorted(pending))
+        if waited > COMMIT_WAIT:
+            raise PgqError(
+                f"{what} waited {COMMIT_WAIT:g} s for two-phase commits on {nodes} to"
+                " finish; try again, or run SELECT recover_prepared_transactions()"
+                " on the coordinator"
+            )
+        if waited > 2.0 and not recovered:
+            logger.warning("two-phase commit unresolved nodes=%s waiting=%s", nodes, what)
+            conn.execute(place.recover_prepared())
+            recovered = True
+        time.sleep(0.05)
+
+
+COMMIT_WAIT = 30.0
+"""Seconds a subscribe waits for the publishes before it to commit on every node."""

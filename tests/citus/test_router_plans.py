@@ -19,6 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import wait_until
 from psycopg import sql
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
@@ -440,7 +441,12 @@ def test_show_reads_a_message_and_its_row_on_the_cluster():
         from pgq.records import Outcome
 
         run_once(engine, store.record, [Outcome(c, "done") for c in claimed])
-        run_once(engine, store.advance_frontier)
+
+        def advanced() -> bool:  # another test's transaction on the worker may hold it a while
+            run_once(engine, store.advance_frontier)
+            return monitor.message(engine, "billing", 1)["row"] == "pruned"
+
+        wait_until(advanced, 30, "the frontier did not pass message 1")
         pruned = monitor.message(engine, "billing", 1)
         assert (pruned["row"], pruned["state"], pruned["behind_frontier"]) == (
             "pruned",
@@ -454,17 +460,14 @@ def test_status_names_what_holds_each_groups_frontier_on_its_worker():
     (0023, section 5): `frontier_held_by` names the oldest transaction there, not
     the coordinator's, nor the status read's own backends on the workers."""
     from pgq import monitor
-    from pgq.sql import placement
+    from pgq.store.placement import nodes_of
 
     with distributed_schema() as (engine, gid):
         pgq.subscribe(engine, "audit", "orders")
         with engine.connect() as conn:
             delivery = f'"{schema_of(engine)}".delivery'
             gids = [gid, gid + 1]
-            nodes = {
-                r.group_id: r.nodeport
-                for r in conn.execute(placement.group_nodes(), {"gids": gids, "delivery": delivery})
-            }
+            nodes = {gid: port for gid, (_, port) in nodes_of(conn, delivery, gids).items()}
         holders = {}
         for port in sorted(set(nodes.values())):
             worker = psycopg.connect(CITUS_DSN.replace(":9701/", f":{port}/"))
