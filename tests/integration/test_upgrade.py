@@ -238,13 +238,14 @@ def test_init_keeps_each_role_able_to_do_its_job(
 
 @pytest.fixture(params=[*RELEASED, LATEST], ids=lambda v: f"v{v}")
 def any_version(request: pytest.FixtureRequest, pg_dsn: str, schema: str) -> Iterator[Engine]:
-    """The test's schema at each version: restored as released, or today's (the
-    latest, which members of the version before the per-row token used as it is)."""
+    """The test's schema upgraded from each released version (its `lease_token`
+    sequence is the one earlier members drew from), or made today, with a topic and
+    a group (made by today's code, after the upgrade: version 4 moved the group's
+    frontier to a table of its own)."""
     engine = pgq.connect(pg_dsn, schema=schema)
     if request.param < LATEST:
         restore(pg_dsn, schema, request.param)
-    else:
-        pgq.migrate(engine)
+    pgq.migrate(engine)
     pgq.create_topic(engine, "t")
     pgq.subscribe(engine, "g", "t")
     yield engine
