@@ -23,7 +23,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
@@ -68,9 +68,14 @@ class ReadDeadline:
             reader.append(threading.get_ident())
             return read(self.engine, *args)
 
-        future = self._readers.submit(on_reader)
+        try:
+            future = self._readers.submit(on_reader)
+        except RuntimeError:  # closed: the readers take no more reads
+            raise DatabaseUnavailable("the reads are closed") from None
         try:
             return future.result(timeout=timeout)
+        except CancelledError:  # `close()` dropped it before a reader took it
+            raise DatabaseUnavailable("the read was ended: the reads are closing") from None
         except FutureTimeout:
             if not future.cancel() and reader:
                 self._cut(reader[0])

@@ -149,6 +149,48 @@ def test_closing_while_the_sampler_reads_logs_nothing(engine, caplog):
     assert [r.getMessage() for r in caplog.records] == []
 
 
+def test_a_read_waiting_for_a_reader_when_the_reads_close_is_unavailable(engine):
+    """Failed before: a read still queued for a reader thread when `close()` dropped
+    it raised `CancelledError` out of `ReadDeadline.run` (an exception in the
+    `pgq-web-sampler` thread, seen once in a loaded CI run of the test above); one
+    asked after the close, `RuntimeError`. Both are now `DatabaseUnavailable`,
+    which the dashboard takes as no news while it closes."""
+    from pgq.errors import DatabaseUnavailable
+    from pgq.store.deadline import ReadDeadline
+
+    reads = ReadDeadline(engine, 1, "test-read")
+    busy, release = threading.Event(), threading.Event()
+
+    def hold(_engine):
+        busy.set()
+        release.wait(10)
+        return "held"
+
+    raised: list[BaseException] = []
+
+    def queued() -> None:
+        try:
+            reads.run(10.0, lambda _engine: "late")
+        except BaseException as exc:  # what the caller sees
+            raised.append(exc)
+
+    first = threading.Thread(target=lambda: reads.run(10.0, hold))
+    first.start()
+    assert busy.wait(10)
+    second = threading.Thread(target=queued)
+    second.start()
+    time.sleep(0.2)  # queued behind the busy reader
+    closer = threading.Thread(target=reads.close)
+    closer.start()
+    time.sleep(0.2)
+    release.set()
+    for thread in (first, second, closer):
+        thread.join(10)
+    assert [type(exc) for exc in raised] == [DatabaseUnavailable]
+    with pytest.raises(DatabaseUnavailable):
+        reads.run(1.0, lambda _engine: "after")
+
+
 # -- changes from the dashboard ------------------------------------------------------
 
 
