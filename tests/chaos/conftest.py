@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+import pgq
+
 from . import history
-from .procs import Members
+from .procs import InProcessMembers, Members
 from .proxy import Proxy
 
 
@@ -42,3 +44,15 @@ def members(pgq_env: dict[str, str], out: Path, proxy: Proxy, pg_dsn: str) -> It
     """Member processes whose connections all go through `proxy`."""
     with Members(pgq_env, out, dsn=proxy.dsn(pg_dsn)) as m:
         yield m
+
+
+@pytest.fixture
+def in_process(pg_dsn: str, schema: str, proxy: Proxy, out: Path) -> Iterator[InProcessMembers]:
+    """In-process members through the proxy, stopped at the end (see `InProcessMembers`)."""
+    engine = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
+    consumers = InProcessMembers(engine, out)
+    try:
+        yield consumers
+    finally:
+        consumers.stop()
+        engine.dispose()

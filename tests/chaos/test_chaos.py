@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,7 +37,6 @@ CYCLE = min(12.0, SECONDS)
 LEASE = float(CHAOS_SETTINGS["PGQ_LEASE"])
 TTL = float(CHAOS_SETTINGS["PGQ_BREAKER_MEMBER_TTL"])
 TOPIC, GROUP = "chaos", "work"
-"""The in-process members' settings: the same short ones as the processes'."""
 NAMES = ("m1", "m2", "m3")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(SECONDS * 1.25 + 110)]
@@ -46,17 +44,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(SECONDS * 1.25 + 110)]
 
 def sleep_until(moment: float) -> None:
     time.sleep(max(0.0, moment - time.monotonic()))
-
-
-@pytest.fixture
-def late(pg_dsn: str, schema: str, proxy: Proxy, out: Path) -> Iterator[InProcessMembers]:
-    engine = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
-    consumers = InProcessMembers(engine, out)
-    try:
-        yield consumers
-    finally:
-        consumers.stop()
-        engine.dispose()
 
 
 def chaos(engine: Engine, members: Members, proxy: Proxy, notes: list[str]) -> None:
@@ -103,7 +90,7 @@ def test_nothing_is_lost_through_kills_pauses_and_cuts(
     pgq_env: dict[str, str],
     proxy: Proxy,
     members: Members,
-    late: InProcessMembers,
+    in_process: InProcessMembers,
     out: Path,
 ) -> None:
     began = time.monotonic()
@@ -118,7 +105,7 @@ def test_nothing_is_lost_through_kills_pauses_and_cuts(
         drivers.publish(threads=3, tx_threads=1, interval=0.05)
         late_groups = 2 if SECONDS <= 60 else 3
         drivers.subscribe(
-            count=late_groups, interval=SECONDS / (late_groups + 1), on_subscribe=late.start
+            count=late_groups, interval=SECONDS / (late_groups + 1), on_subscribe=in_process.start
         )
         drivers.retain(interval=0.5)
         chaos(engine, members, proxy, notes)
@@ -130,7 +117,7 @@ def test_nothing_is_lost_through_kills_pauses_and_cuts(
     running = members.live()
     for member in running:
         member.term()
-    notes += [f"PROBLEM {p}" for p in late.stop()]
+    notes += [f"PROBLEM {p}" for p in in_process.stop()]
     for member in running:
         code = member.wait(20)
         if code != 0:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -59,17 +58,6 @@ pytestmark = [
 
 def groups_of(topic: str) -> list[str]:
     return [f"{topic}{g}" for g in "abc"]
-
-
-@pytest.fixture
-def in_process(pg_dsn: str, schema: str, proxy: Proxy, out: Path) -> Iterator[InProcessMembers]:
-    engine = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
-    consumers = InProcessMembers(engine, out)
-    try:
-        yield consumers
-    finally:
-        consumers.stop()
-        engine.dispose()
 
 
 def faults(engine: Engine, members: Members, proxy: Proxy, notes: list[str]) -> None:
