@@ -291,3 +291,23 @@ def run_machine(
     finally:
         print("exercised:", dict(sorted(seen.items())))
         engine.dispose()
+
+
+CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")
+"""The Citus coordinator the `citus` tests run on (`.ci/run` starts one and sets it)."""
+
+
+def citus_marks() -> list[Any]:
+    """`pytestmark` of a module of tests on the Citus cluster: marked `citus`, skipped
+    without `PGQ_CITUS_DSN`."""
+    import pytest
+
+    return [
+        pytest.mark.citus,
+        pytest.mark.skipif(
+            not CITUS_DSN,
+            reason="PGQ_CITUS_DSN is not set: no Citus coordinator to test on"
+            " (../shared/citus/cluster.sh start, then"
+            " PGQ_CITUS_DSN=postgresql://postgres@127.0.0.1:9701/postgres)",
+        ),
+    ]

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import psycopg
-import pytest
+from helpers import CITUS_DSN, citus_marks
 from psycopg import sql
 from sqlalchemy import Connection, Engine, text
 
@@ -30,12 +30,7 @@ from pgq.sql import outcomes
 from pgq.store import GroupStore
 from pgq.store.topics import group_info
 
-CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")
-
-pytestmark = [
-    pytest.mark.citus,
-    pytest.mark.skipif(not CITUS_DSN, reason="PGQ_CITUS_DSN is not set: no Citus coordinator"),
-]
+pytestmark = citus_marks()
 
 _names = itertools.count()
 

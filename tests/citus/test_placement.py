@@ -17,23 +17,14 @@ from typing import Any
 import psycopg
 import pytest
 from fixtures.released import restore
-from helpers import invoke
+from helpers import CITUS_DSN, citus_marks, invoke
 from psycopg import sql
 
 import pgq
 from pgq.errors import UsageError
 from pgq.store import LATEST
 
-CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")
-
-pytestmark = [
-    pytest.mark.citus,
-    pytest.mark.skipif(
-        not CITUS_DSN,
-        reason="PGQ_CITUS_DSN is not set: no Citus coordinator to test on"
-        " (../shared/citus/cluster.sh start, then PGQ_CITUS_DSN=postgresql://postgres@127.0.0.1:9701/postgres)",
-    ),
-]
+pytestmark = citus_marks()
 
 BY_GROUP = ("delivery", "group_state", "member", "breaker", "breaker_history", "probe", "audit")
 REFERENCE = ("schema_version", "topic", "consumer_group")

@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import wait_until
+from helpers import CITUS_DSN, citus_marks, wait_until
 from psycopg import sql
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
@@ -31,17 +31,7 @@ from pgq.sql import admin, breaker, claim, frontier, members, outcomes
 from pgq.store import GroupStore, run_once
 from pgq.store.admin import purge
 
-CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")
-
-pytestmark = [
-    pytest.mark.citus,
-    pytest.mark.skipif(
-        not CITUS_DSN,
-        reason="PGQ_CITUS_DSN is not set: no Citus coordinator to test on"
-        " (../shared/citus/cluster.sh start, then"
-        " PGQ_CITUS_DSN=postgresql://postgres@127.0.0.1:9701/postgres)",
-    ),
-]
+pytestmark = citus_marks()
 
 SECOND = dt.timedelta(seconds=1)
 _names = itertools.count()

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from helpers import CITUS_DSN, citus_marks
 from psycopg import sql
 from sqlalchemy import Engine, text
 
@@ -26,17 +27,7 @@ import pgq
 from pgq.records import Outcome
 from pgq.store import GroupStore, group_info, run_once
 
-CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")
-
-pytestmark = [
-    pytest.mark.citus,
-    pytest.mark.skipif(
-        not CITUS_DSN,
-        reason="PGQ_CITUS_DSN is not set: no Citus coordinator to test on"
-        " (../shared/citus/cluster.sh start, then"
-        " PGQ_CITUS_DSN=postgresql://postgres@127.0.0.1:9701/postgres)",
-    ),
-]
+pytestmark = citus_marks()
 
 LATE = 10**12
 """The id of the message whose commit is late on its node."""
