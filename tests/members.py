@@ -43,7 +43,13 @@ class ConsumeProcesses:
     def spawn(self, name: str, *args: str, **settings: object) -> subprocess.Popen[str]:
         """Start member `name` (more `pgq consume` options in `args`, settings as
         `PGQ_...=value` over the defaults of this group of processes)."""
-        env = consumer_env(self.env, self.out, TESTQ_TAG=name, **{**self.settings, **settings})
+        env = consumer_env(
+            self.env,
+            self.out,
+            TESTQ_TAG=name,
+            PGAPPNAME=name,  # libpq's default application_name: `process_of` reads it back
+            **{**self.settings, **settings},
+        )
         args = ("consume", "g", "--handler", self.handler, "--name", name, *args)
         proc = spawn_pgq(env, *args, log=self.log_path(name))
         self.procs[name] = proc

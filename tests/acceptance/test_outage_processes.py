@@ -11,7 +11,6 @@ SIGKILL half-way, or the group is run from cron alone. Every wait is bounded.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import time
@@ -117,40 +116,23 @@ class Reconciliation:
         return found[0], found[1], found[2]
 
     def process_of(self, backend: int, procs: dict[str, subprocess.Popen[str]]) -> str | None:
-        """The name of the process in `procs` whose socket is the client of `backend`
-        (None if that backend is gone)."""
-        port = self.conn.execute(
-            "SELECT client_port FROM pg_stat_activity WHERE pid = %s", (backend,)
+        """The name of the running process in `procs` whose connection `backend` is
+        (None if that backend is gone). Read from `application_name` (members are
+        started with `PGAPPNAME` set to their name), so it works over TCP and over a
+        Unix socket alike: the latter has no client port."""
+        found = self.conn.execute(
+            "SELECT application_name FROM pg_stat_activity WHERE pid = %s", (backend,)
         ).fetchone()
-        if port is None or port[0] is None:
+        if found is None:
             return None
-        for name, proc in procs.items():
-            if proc.poll() is None and port[0] in local_ports(proc.pid):
-                return name
-        return None
+        app = found[0] or ""
+        # pgq's own name for a connection, `pgq/<group>/<member>/<role>`, wins over PGAPPNAME
+        name = app.split("/")[2] if app.startswith("pgq/") and app.count("/") >= 3 else app
+        proc = procs.get(name)
+        return name if proc is not None and proc.poll() is None else None
 
     def close(self) -> None:
         self.conn.close()
-
-
-def local_ports(pid: int) -> set[int]:
-    """The local TCP ports of the sockets process `pid` has open (Linux /proc)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if fields[9] in inodes:
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 def kill_the_reconciler(
