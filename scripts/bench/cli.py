@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import scripts.bench as package
-from scripts.bench.anchors import ANCHOR_SYSTEMS, DEFAULT_ANCHORS, DEFAULT_ANCHORS_VENV
+from scripts.bench.anchors import ANCHOR_SYSTEMS, DEFAULT_ANCHORS_VENV, KNOWN_SYSTEMS
 from scripts.bench.children import CHILDREN, child_main
 from scripts.bench.common import log
 from scripts.bench.harness import Server
@@ -83,7 +83,10 @@ def parent_main(args: argparse.Namespace) -> int:
     args.workers = ints(args.workers)
     args.procs = ints(args.procs)
     args.rate = floats(args.rate)
-    args.anchors = Path(args.anchors)
+    args.anchors = Path(args.anchors) if args.anchors else None
+    unknown = [s for s in args.systems.split(",") if s and s not in (*KNOWN_SYSTEMS, "none")]
+    if unknown and args.anchors is None:
+        sys.exit(f"unknown anchor(s) {', '.join(unknown)}; known: {', '.join(KNOWN_SYSTEMS)}")
     t0 = time.perf_counter()
     report: dict[str, Any] = {"argv": sys.argv[1:]}
     sections: list[str] = []
@@ -177,7 +180,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--systems",
         default="",
-        help=f"anchors for --compare (default {','.join(ANCHOR_SYSTEMS)}; 'none': pgq alone)",
+        help=f"anchors for --compare (default {','.join(ANCHOR_SYSTEMS)}; "
+        f"known: {','.join(KNOWN_SYSTEMS)}; 'none': pgq alone)",
     )
     ap.add_argument(
         "--payload", default="i,1k", help="publish: payload kinds, 'i' ({\"i\": n}) and/or '1k'"
@@ -230,12 +234,18 @@ def parser() -> argparse.ArgumentParser:
         action="store_false",
         help="skip the untimed ANALYZE between publish and consume",
     )
-    ap.add_argument("--anchors", default=str(DEFAULT_ANCHORS), help="path of the shared anchors.py")
+    ap.add_argument(
+        "--anchors",
+        default="",
+        metavar="PATH",
+        help="run the anchors with another program that takes the same child command line "
+        "(e.g. a reference anchors.py; default: scripts/bench/anchor_systems)",
+    )
     ap.add_argument(
         "--anchors-venv",
         default=str(DEFAULT_ANCHORS_VENV),
-        help="venv for the anchors "
-        "(created on demand from requirements-anchors.txt next to anchors.py)",
+        help="the anchors' own venv (default .venv-bench/; created, or updated, on demand "
+        "from scripts/bench/requirements-anchors.txt)",
     )
     ap.add_argument("--timeout", type=float, default=600, help="per child process timeout, seconds")
     ap.add_argument(
