@@ -311,7 +311,7 @@ def stopping_on_signals() -> Iterator[None]:
     """SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread, as Ctrl-C does, so
     that the same clean stop runs (a service manager stops with SIGTERM; its default
     action killed `pgq web` mid-request and left `pgq demo --web`'s scratch schema
-    behind: scripts/attacks/web2_sigterm.py). A second one acts at once."""
+    behind; tests/integration/test_web_attacks.py). A second one acts at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

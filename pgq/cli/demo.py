@@ -81,7 +81,7 @@ class _Dashboard:
 
 def _port_free(port: int) -> None:
     """A `UsageError` now when `port` cannot be had, before the story starts (the
-    dashboard binds it only once the demo's schema exists: web2_demo_port_taken.py)."""
+    dashboard binds it only once the demo's schema exists; docs/defects.md)."""
     if port == 0:
         return
     with socket.socket() as probe:

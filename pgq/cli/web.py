@@ -55,7 +55,7 @@ def web(state: State, host: str, port: int, admin: bool) -> None:
     """
     web = web_extra()
     if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]  # `[::1]`, as URLs write it (web2_host_forms.py)
+        host = host[1:-1]  # `[::1]`, as URLs write it (docs/defects.md)
     token = None
     if admin:
         token = os.environ.get(web.TOKEN_ENV, "")

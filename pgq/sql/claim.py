@@ -267,7 +267,7 @@ def postpone() -> Executable:
     """Put the leases `:ids`/`:seqs` held by `:member` back to ready, due in `:delay`,
     uncharged: their messages are not visible yet. On Citus a publish commits node
     by node, so a group's row can be visible before its message is on the topic's
-    node (scripts/attacks/citus_claim_before_message_commits.py)."""
+    node (tests/citus/test_two_phase.py)."""
     return (
         update(d)
         .where(fenced())

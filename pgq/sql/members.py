@@ -89,7 +89,7 @@ def holding(purpose: str) -> Executable:
 
     `pg_locks` is read once, its advisory keys hashed (`IS TRUE` keeps the `IN` a
     hashed subplan): a test per name read the whole lock table once per name, 0.3 s
-    for 22,000 departed member rows (scripts/attacks/live2_liveness_cost_departed_members.py)."""
+    for 22,000 departed member rows (docs/defects.md)."""
     pairs = _pairs("gids", "names")
     key = member_key(pairs.c.group_id, pairs.c.name, purpose)
     return select(pairs.c.group_id, pairs.c.name).where(key.in_(held_advisory_keys()).is_(true()))

@@ -9,7 +9,7 @@ kernel still acknowledges). `ReadDeadline` runs each read on one of its
 threads, over an engine of its own; when the caller's deadline passes it shuts
 that read's socket down from the caller's thread. The blocked read then fails
 at once, its connection is discarded, and the thread is free for the next
-read (scripts/attacks/web_stuck_readers.py). The dashboard (`pgq web`) reads
+read (docs/defects.md, hung pool connections). The dashboard (`pgq web`) reads
 this way.
 
 The engine has no pre-ping: a ping runs before a connection is handed out,

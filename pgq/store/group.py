@@ -430,7 +430,7 @@ class GroupStore:
         and the next heartbeat tries again. Otherwise the member rows the statement
         read and the locks held before and after it describe one moment: a member
         killed between the reads, counted live, with others leaving meanwhile, made
-        a quorum that never existed (scripts/attacks/live2_quorum_never_existed.py)."""
+        a quorum that never existed (docs/defects.md)."""
         conn.execute(xact_lock(breaker_flip_key(schema_of(conn), self.group)))
         before = lock_holders(conn, self.gid, "", ttl=ttl)
         params = {
@@ -642,7 +642,7 @@ class GroupStore:
                 break
             # a message seen committed may have its delivery rows still prepared on a
             # group's node (its commit reaches nodes one after the other): invisible to
-            # `held_by_group`, and deleted under them (citus_retention_pending_commit_orphan)
+            # `held_by_group`, and deleted under them (tests/citus/test_two_phase.py)
             if nodes & placement.nodes_committing(conn, placement.cutoff(conn)):
                 logger.info("retention waits for two-phase commits topic=%s", self.topic)
                 break

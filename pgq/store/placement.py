@@ -88,7 +88,7 @@ def nodes_committing(conn: Connection, before: dt.datetime) -> set[tuple[str, in
     prepared everywhere, then committed one node after the other. Between the
     two, or for as long as a cut leaves a part in doubt, a message can be visible
     on its topic's node while its delivery rows are not on a group's node, or the
-    other way round (scripts/attacks/citus_*_pending_commit*.py)."""
+    other way round (tests/citus/test_two_phase.py)."""
     rows = conn.execute(place.on_workers(), {"command": place.pending_commits(before)})
     return {(r.nodename, r.nodeport) for r in rows if not (r.success and r.result == "0")}
 

@@ -62,7 +62,7 @@ def subscribe(
             conn.execute(topic_lock(shared=False), {"key": topic_key(schema_of(conn), topic)})
             # the publishes that released the lock have committed on the coordinator,
             # not yet everywhere: a message still prepared on its node is invisible
-            # to the backfill (scripts/attacks/citus_subscribe_pending_commit.py)
+            # to the backfill (tests/citus/test_two_phase.py)
             before = placement.cutoff(conn)
             placement.wait_for_commits(conn, before, f"subscribe {group!r}")
             topic_id = conn.execute(q.topic_id(), {"name": topic}).scalar()

@@ -50,7 +50,7 @@ MAX_BODY = 64 * 1024
 """Bytes a request body may have (a requeue form with 10,000 ids fits)."""
 LIVE_PAGES = frozenset({"overview.html", "group.html", "message.html"})
 """The pages with a live part (`_<page>`); `?live=1` on any other answers the page
-(it was a 500 after the change was made: scripts/attacks/web2_live_param_500.py)."""
+(it was a 500 after the change was made; docs/defects.md)."""
 WINDOWS = {"auto": None, "1m": 60.0, "5m": 300.0, "1h": 3600.0, "24h": 86400.0}
 """The breaker timeline's spans a group page offers (`?window=`)."""
 
@@ -254,7 +254,7 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
 
     def _done(name: str, text: str, audit_id: int, **shown: int) -> Any:
         """A change's answer: for a browser a 303 to the group page, which says what was
-        done (a reload of a POST's answer would post it again: web2_reload_reposts.py);
+        done (a reload of a POST's answer would post it again; docs/defects.md);
         for a script (`Authorization: Bearer`) the result page itself."""
         if request.headers.get("Authorization", "").startswith("Bearer "):
             return _page("done.html", name=name, text=text)
@@ -265,7 +265,7 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
     def login() -> Any:
         if not guard.admin:
             abort(403, "this dashboard is read-only (start pgq web with --admin)")
-        if request.method != "POST":  # GET, and HEAD as GET (web2_head_login.py)
+        if request.method != "POST":  # GET, and HEAD as GET (docs/defects.md)
             return _page("login.html", failed=False)
         s = guard.login(request.form.get("token"))
         if s is None:

@@ -57,8 +57,8 @@ def sparkline(
 
 COLUMN = 4
 """Pixels a sparkline spends on its lowest and highest point (an hour of samples is
-720 points on 160 pixels: the overview of 500 groups was 7.8 MB a refresh,
-scripts/attacks/web2_overview_grows_with_time.py)."""
+720 points on 160 pixels: the overview of 500 groups was 7.8 MB a refresh;
+docs/defects.md)."""
 
 
 def _columns(xy: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -7,7 +7,7 @@ thread while it serves. `close()` stops both, in an order that lets the
 requests in flight finish and logs nothing: the loop thread stops accepting,
 waitress's task threads drain, then the loop thread closes what is left (a
 task thread that answered after the loop's pipe was closed made waitress log
-`Bad file descriptor` tracebacks: scripts/attacks/web_close_traceback.py).
+`Bad file descriptor` tracebacks; docs/defects.md).
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def timeline(
     When `truncated` (the history read is only the newest transitions) and
     the oldest one listed is not the first, the time before it is `UNREAD`:
     drawn as the other state it would claim a breaker that flapped for hours
-    had been steady (scripts/attacks/web2_timeline_truncated.py).
+    had been steady (docs/defects.md).
     """
     history: Sequence[Mapping[str, Any]] = sorted(
         info.get("history", ()), key=lambda h: (h["epoch"], h["at"])

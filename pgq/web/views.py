@@ -11,8 +11,7 @@ a `pgq-web-read` thread over an engine of the dashboard's own, and a read still
 running at the deadline is ended (its socket shut down) and answered "database
 unavailable" (503). A database that stops answering without closing the
 connection (a stalled network, a hung host) would otherwise hold every waitress
-thread, `/healthz` included (scripts/attacks/web_database_stalled.py), or every
-reader thread (scripts/attacks/web_stuck_readers.py), for good.
+thread, `/healthz` included, or every reader thread, for good (docs/defects.md).
 """
 
 from __future__ import annotations
@@ -80,7 +79,7 @@ class Dashboard:
         """`read(engine, *args)` on a reader thread, ended after `read_timeout`
         (`DatabaseUnavailable`). A streak of unavailable reads is logged once, when
         it starts and when it ends: every open page asks every few seconds, and a
-        line each time buried the news (scripts/attacks/web2_outage_log_flood.py)."""
+        line each time buried the news (docs/defects.md)."""
         try:
             result = self._reads.run(self.options.read_timeout, read, *args)
         except DatabaseUnavailable as exc:
@@ -162,7 +161,7 @@ class Dashboard:
     def run_sampler(self, stop: threading.Event) -> None:
         """Sample every `sample_every` seconds until `stop`; a failed read is logged
         once per failure streak and retried at the next beat. A read that fails
-        because `close()` ended it is no news (scripts/attacks/web2_close_sample_warning.py)."""
+        because `close()` ended it is no news (docs/defects.md)."""
         failing = False
         while not stop.is_set():
             try:

@@ -128,7 +128,7 @@ def test_wait_retries_from_the_command_line(orders, pgq_env, tmp_path, procs):
 def test_a_paused_member_whose_name_was_taken_over_stops_when_it_resumes(
     orders, pgq_env, tmp_path, procs
 ):
-    """Found by attack (scripts/attacks/paused_original_runs_on_after_takeover.py): the
+    """Found by attack (docs/defects.md): the
     resumed original ran on beside the process that took its name over."""
     short = {"PGQ_BREAKER_MEMBER_TTL": "1.0"}
     args = ("--handler", "handlers:record", "--name", "svc")

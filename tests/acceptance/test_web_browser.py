@@ -243,7 +243,7 @@ def test_reloading_the_answer_to_a_requeue_changes_nothing(browser, engine):
     """Failed before the change routes answered a browser with 303 (Post/Redirect/Get):
     the result page was the POST's own answer, so a reload posted the requeue again,
     requeuing what had died since under the first reason
-    (scripts/attacks/web2_reload_reposts.py)."""
+    (docs/defects.md)."""
     from helpers import kill
 
     driver = browser
@@ -282,7 +282,7 @@ def test_no_page_logs_a_console_error(browser, engine):
     """No CSP violation, script error or failed fetch on any page, live updates
     included (the 404 and 400 pages' own status aside). Failed before the pages named
     an icon: each browser session's first page logged `favicon.ico - Failed to load
-    resource: 404` (scripts/attacks/web2_console_errors.py)."""
+    resource: 404` (docs/defects.md)."""
     driver = browser
     pgq.create_topic(engine, "t")
     pgq.subscribe(engine, "g", "t")
@@ -317,7 +317,7 @@ def test_no_page_logs_a_console_error(browser, engine):
 def test_live_updates_keep_the_readers_scroll_and_selection(browser, engine):
     """Failed before live.js kept them: every update replaced the live part, so the
     payload's box jumped back to its top and a selection to copy was dropped, every
-    refresh (scripts/attacks/web2_live_swap_resets_scroll.py)."""
+    refresh (docs/defects.md)."""
     from helpers import kill, set_rows
 
     driver = browser
@@ -357,7 +357,7 @@ def test_live_updates_keep_the_readers_scroll_and_selection(browser, engine):
 def test_a_dashboard_that_stops_answering_is_said_on_the_page(browser, engine, pgq_env, tmp_path):
     """Failed before live.js gave up an update after 5 refreshes (at least 10 s): with
     `pgq web` SIGSTOPped the update never ended and the page said `live · <time>` for
-    good (scripts/attacks/web2_hung_update_looks_live.py)."""
+    good (docs/defects.md)."""
     import re
     import signal
 

@@ -3,8 +3,7 @@ prepared everywhere, then committed one node after the other, and a cut can leav
 a part prepared until Citus recovers it. Each test here leaves such a part prepared
 by hand on one worker (a transaction on the shard itself, `PREPARE TRANSACTION`)
 and checks that pgq neither loses nor strands anything meanwhile: defects found by
-attacking the cluster (scripts/attacks/citus_*pending_commit*.py,
-citus_claim_before_message_commits.py).
+attacking the cluster (docs/defects.md).
 
 Needs `PGQ_CITUS_DSN` (see test_placement.py); skipped without it.
 """

@@ -385,8 +385,7 @@ class _LazyRetry(pgq.RetryLater):
 
 
 def test_exceptions_that_cannot_be_read_or_classified_fail_as_message(orders):
-    """Found by attack (scripts/attacks/handler_error_getattr_crashes_member.py and
-    retrylater_nonnumeric_delay_crashes_member.py): these crashed the worker, and with
+    """Found by attack (docs/defects.md): these crashed the worker, and with
     it the member, on every member that took the row."""
     engine = orders
     pin_frontier(engine, "orders")

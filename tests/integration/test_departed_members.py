@@ -270,7 +270,7 @@ def test_liveness_tests_the_locks_of_the_members_that_can_be_live_in_one_pass(en
     liveness reads give it only the members heard from within the TTL: before, every
     member row of the group, departed ones included, was tested one by one, and a
     group with 22,000 departed rows spent 0.3 s per drain check and quorum read
-    (scripts/attacks/live2_liveness_cost_departed_members.py)."""
+    (docs/defects.md)."""
     from pgq.sql import members as member_sql
     from pgq.store.members import lock_holders
 

@@ -9,7 +9,7 @@ The earlier version's statements are written out here as it runs them: its claim
 draws each row's token from the `lease_token` sequence (one claim of n rows gets n
 consecutive values), and its ack, release and extension test ids and tokens apart,
 `message_id = ANY(:ids) AND lease_seq = ANY(:seqs) AND lease_owner = :member`.
-Reproduction with real processes: scripts/attacks/fence_upgrade_same_name_stale_ack.py.
+Found with real processes of both versions (docs/defects.md).
 """
 
 from __future__ import annotations

@@ -219,7 +219,7 @@ def test_members_coming_and_going_between_the_reads_undo_the_open(engine: Engine
     healthy ones leave: before, 2 of 4 were tripped (3 needed at quorum 0.75), after,
     1 of 1 (2 needed). The statement alone, with the holders read before, counted
     the dead one live and the leavers gone: 2 of 2, OPEN, a quorum that never existed
-    (scripts/attacks/live2_quorum_never_existed.py). The holders read again after
+    (docs/defects.md). The holders read again after
     the statement differ, so the open is undone; the transaction goes on."""
     import pgq.store.group as group_store
 

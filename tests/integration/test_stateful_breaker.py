@@ -851,7 +851,7 @@ class BreakerMachine(RuleBasedStateMachine):
             assert c.attempts == row.attempts
             row.state, row.owner, row.seq, row.expired = "leased", proc.name, c.seq, False
             # filed under the epoch the claim saw, never the older one a gate may
-            # still show (scripts/attacks/breaker_stale_epoch_double_refund.py)
+            # still show (docs/defects.md)
             assert c.epoch == max(proc.view[1], self.brk.epoch), f"claim epoch {c.epoch}"
             helds.append(Held(proc.name, proc.life, c))
         self.helds += helds

@@ -361,7 +361,7 @@ def test_a_change_without_the_right_credentials_is_refused_and_writes_nothing(
 ):
     """Failed before the fix in pgq/web/guard.py for `non-ASCII csrf`: HTTP 500
     (`hmac.compare_digest` raised TypeError) instead of 403
-    (scripts/attacks/web_csrf_non_ascii.py)."""
+    (docs/defects.md)."""
     server = serve(token=TOKEN)
     cookie = login(server)
     csrf = csrf_of(server, cookie)
@@ -662,7 +662,7 @@ def test_no_page_shows_hostile_text_raw(hostile, path, status, check):
     """`controls` failed for the overview (the sparklines' aria-label and <title>
     held the group name raw) and the group page (a probe's <title> held the member
     name raw) until charts.py and timeline.py made them `visible`
-    (scripts/attacks/web_svg_titles_raw.py)."""
+    (docs/defects.md)."""
     segment = _quoted(HOSTILE.replace("/", ""))
     url = path.format(hostile=_quoted(HOSTILE), segment=segment, **hostile.ids)
     answer = get(hostile.server, url, Cookie=hostile.cookie)
@@ -958,7 +958,7 @@ def test_closing_with_requests_in_flight_logs_no_traceback(engine, serve, caplog
     """Failed before 70f04b7: `close()` closed waitress under its running task
     threads, which logged `Exception when servicing` (OSError EBADF from the
     loop's trigger); a first fix made `close()` itself raise that OSError now and
-    then (scripts/attacks/web_close_traceback.py)."""
+    then (docs/defects.md)."""
     pgq.create_topic(engine, "t")
     pgq.subscribe(engine, "g", "t")
     caplog.set_level(logging.INFO)
@@ -983,7 +983,7 @@ def test_closing_with_requests_in_flight_logs_no_traceback(engine, serve, caplog
 def test_a_database_that_stops_answering_is_a_503_not_a_hang(engine, pg_dsn, schema, serve):
     """Hung before the dashboard's reads had a deadline: no statement or connect
     timeout, so /healthz (and, once waitress's threads were all waiting, every
-    page) never answered (scripts/attacks/web_database_stalled.py)."""
+    page) never answered (docs/defects.md)."""
     from chaos.proxy import Proxy
 
     with Proxy.for_dsn(pg_dsn) as proxy:
@@ -1005,7 +1005,7 @@ def test_a_database_that_stops_answering_is_a_503_not_a_hang(engine, pg_dsn, sch
 def test_under_load_every_log_line_is_a_json_log_line(engine, dead, pgq_env, tmp_path):
     """Failed before waitress's loggers went through pgq's handler: every request
     queued behind busy threads printed a bare `Task queue depth is N` line through
-    Python's last-resort handler (scripts/attacks/web_waitress_log_lines.py)."""
+    Python's last-resort handler (docs/defects.md)."""
     with _web(pgq_env, tmp_path, "--port", "0", PGQ_LOG_FORMAT="json") as url:
 
         def browse() -> None:

@@ -1,4 +1,4 @@
-"""`pgq web` and `pgq demo --web` attacked a second time (scripts/attacks/web2_*.py).
+"""`pgq web` and `pgq demo --web` attacked a second time (docs/defects.md).
 
 Each test failed before the fix its docstring names; real processes, real
 PostgreSQL, raw HTTP (`http.client`) so any method, header or body can be sent.
@@ -62,7 +62,7 @@ def demo_schemas(dsn: str) -> set[str]:
 def test_pgq_web_stops_on_sigterm_and_sighup_as_on_ctrl_c(engine, pgq_env, tmp_path, sig):
     """Failed before `stopping_on_signals` (pgq/cli/web.py): the default action killed
     the process (exit -15, -1) and every request in flight was cut off
-    (scripts/attacks/web2_sigterm.py)."""
+    (docs/defects.md)."""
     pgq.create_topic(engine, "t")
     pgq.subscribe(engine, "g", "t")
     log = tmp_path / "web.log"
@@ -101,7 +101,7 @@ def test_pgq_web_stops_on_sigterm_and_sighup_as_on_ctrl_c(engine, pgq_env, tmp_p
 def test_pgq_demo_web_drops_its_schema_on_sigterm(pg_dsn):
     """Failed before `stopping_on_signals`: SIGTERM during the story killed the demo
     (exit -15) and its scratch schema `pgq_demo_*` stayed in the database
-    (scripts/attacks/web2_sigterm.py)."""
+    (docs/defects.md)."""
     before = demo_schemas(pg_dsn)
     proc = subprocess.Popen(
         [*PGQ, "demo", "--web", "--port", "0", "--dsn", pg_dsn],
@@ -132,7 +132,7 @@ def test_pgq_demo_web_drops_its_schema_on_sigterm(pg_dsn):
 def test_closing_while_the_sampler_reads_logs_nothing(engine, caplog):
     """Failed before `run_sampler` stopped logging reads that `close()` itself ended:
     most closes logged `web sample failed error='cannot reach the database: ...
-    server closed the connection unexpectedly'` (scripts/attacks/web2_close_sample_warning.py)."""
+    server closed the connection unexpectedly'` (docs/defects.md)."""
     from pgq.web import WebOptions, dashboard_server
 
     pgq.create_topic(engine, "t")
@@ -198,7 +198,7 @@ def test_a_purge_while_open_keeps_the_pending_rows_and_a_reload_changes_nothing(
     """The form purge keeps the rows an OPEN breaker owes a refund, as `pgq purge`
     does, and says so on the page it redirects to. Failed before the change routes
     answered a browser with 303: the answer was the POST's own page (a reload posted
-    it again, scripts/attacks/web2_reload_reposts.py)."""
+    it again, docs/defects.md)."""
     from helpers import kill, states
     from sqlalchemy import update
 
@@ -266,7 +266,7 @@ def _rows(engine) -> dict[int, str]:
 def test_pgq_demo_web_with_its_port_taken_fails_before_the_story(pg_dsn):
     """Failed before `_port_free` (pgq/cli/demo.py): the demo created its schema and
     printed its first narration line, then failed to listen (exit 2 with a half-told
-    story; scripts/attacks/web2_demo_port_taken.py)."""
+    story; docs/defects.md)."""
     import socket
 
     before = demo_schemas(pg_dsn)
@@ -293,7 +293,7 @@ def test_pgq_demo_web_with_its_port_taken_fails_before_the_story(pg_dsn):
 def test_a_flapping_breakers_timeline_draws_no_state_it_did_not_read(engine, schema):
     """2,000 transitions ten seconds apart and 5,000 probes: the group page reads the
     newest 50 and 200 and says so. Failed before `truncated`: the 24 h timeline drew
-    one CLOSED span over 99 % of the day (scripts/attacks/web2_timeline_truncated.py)."""
+    one CLOSED span over 99 % of the day (docs/defects.md)."""
     from sqlalchemy import text
 
     from pgq.web import WebOptions, dashboard_server
@@ -347,7 +347,7 @@ def test_a_flapping_breakers_timeline_draws_no_state_it_did_not_read(engine, sch
 def test_an_outage_is_logged_once_not_once_a_request(engine, serve_down, caplog):
     """Failed before the dashboard logged a streak of unavailable reads once: each
     request of each open page logged `web request failed ... cannot reach the
-    database`, 41 lines for 40 requests here (scripts/attacks/web2_outage_log_flood.py)."""
+    database`, 41 lines for 40 requests here (docs/defects.md)."""
     caplog.set_level(logging.INFO, logger="pgq")
     server = serve_down
     paths = ["/groups/g?live=1", "/api/groups", "/healthz", "/"] * 10
@@ -400,7 +400,7 @@ def test_a_loopback_host_in_any_form_listens_quietly_at_a_working_url(
 ):
     """Failed before `_loopback` and the bracket strip (pgq/cli/web.py): both warned
     `web listening beyond this machine`, and `[::1]` printed `http://[[::1]]:PORT/`
-    (scripts/attacks/web2_host_forms.py)."""
+    (docs/defects.md)."""
     if ":" in host and not _ipv6_loopback():
         pytest.skip("no IPv6 loopback here")
     log = tmp_path / "web.log"
@@ -421,8 +421,8 @@ def test_a_loopback_host_in_any_form_listens_quietly_at_a_working_url(
 def test_live_on_a_page_without_a_live_part_answers_the_page(engine, caplog):
     """Failed before `LIVE_PAGES`: `/login?live=1` and a requeue or purge posted to
     `...?live=1` were a 500 with a traceback (TemplateNotFound), the changes after
-    they were committed (scripts/attacks/web2_live_param_500.py); `HEAD /login` was
-    a 403 (scripts/attacks/web2_head_login.py)."""
+    they were committed (docs/defects.md); `HEAD /login` was
+    a 403 (docs/defects.md)."""
     from helpers import kill, states
 
     from pgq.web import WebOptions, dashboard_server

@@ -500,7 +500,7 @@ def test_empty_file_is_fine(tmp_path: Path) -> None:
     ("key", "value"), [("workers", 1001), ("batch_size", 10_001), ("prefetch", 100_001)]
 )
 def test_counts_that_size_threads_and_buffers_have_an_upper_bound(key, value):
-    """Found by attack (scripts/attacks/consume_huge_workers_hangs.py): a huge
+    """Found by attack (docs/defects.md): a huge
     `workers` started threads until the system refused, then hung."""
     with pytest.raises(ConfigError, match="must be <="):
         load_settings(None, env={}, overrides={key: value})

@@ -144,7 +144,7 @@ def test_sparkline_scales_to_its_maximum():
 def test_a_sparkline_of_an_hour_of_samples_stays_small_and_keeps_dips_and_peaks():
     """Failed before `_columns`: every sample was a point, 720 of them on 160 pixels
     (the overview of 500 groups, 7.8 MB a refresh after an hour;
-    scripts/attacks/web2_overview_grows_with_time.py)."""
+    docs/defects.md)."""
     values = [5.0] * 720
     values[300], values[500] = 0.0, 50.0  # one outage dip, one burst
     svg = sparkline(list(enumerate(values)), start=0, end=719, width=160, label="x")
@@ -244,7 +244,7 @@ def test_host_header_names_this_server(host_header, listen, allowed):
 def test_a_truncated_history_leaves_the_time_before_it_unread():
     """Failed before `truncated`: with only the newest transitions read, the time
     before the oldest one was drawn as the other state, so a breaker that flapped
-    for hours looked steady (scripts/attacks/web2_timeline_truncated.py)."""
+    for hours looked steady (docs/defects.md)."""
     flapping = {
         "state": "CLOSED",
         "epoch": 40,
