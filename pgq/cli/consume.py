@@ -16,20 +16,18 @@ This is the only place that installs signal handlers for a member (`pgq web` and
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
 from types import FrameType
-from typing import Any
 
 import click
 
 from pgq.cli.base import State, pass_state
 from pgq.consumer import Consumer
-from pgq.errors import DatabaseUnavailable, HandlerImportError
+from pgq.consumer.handling import load_handler
+from pgq.errors import DatabaseUnavailable
 from pgq.settings import load_settings, parse_duration
 
 __all__ = ["EX_TEMPFAIL", "consume", "install_signal_handlers", "load_handler"]
@@ -38,29 +36,6 @@ logger = logging.getLogger("pgq.cli")
 
 EX_TEMPFAIL = 75
 """Exit code when `--until-empty` stopped because a breaker is open (sysexits EX_TEMPFAIL)."""
-
-
-def load_handler(path: str) -> Callable[..., Any]:
-    """Import `module:function` (the current directory is importable, as with `python -m`)."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise HandlerImportError(f"invalid handler {path!r}: use MODULE:FUNCTION")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except BaseException as exc:  # a module that calls sys.exit() or raises KeyboardInterrupt
-        raise HandlerImportError(
-            f"cannot import handler module {module_name!r}: {type(exc).__name__}: {exc}"
-        ) from None
-    target: Any = module
-    for part in attr.split("."):
-        target = getattr(target, part, None)
-        if target is None:
-            raise HandlerImportError(f"handler {path!r}: {module_name} has no {attr!r}")
-    if not callable(target):
-        raise HandlerImportError(f"handler {path!r} is not callable")
-    return target
 
 
 def _duration(value: str | None, flag: str) -> float | None:

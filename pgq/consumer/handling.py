@@ -1,19 +1,24 @@
-"""Running the handler on one row and turning what happened into an `Outcome`.
+"""The user's handler: finding it by name, running it on one row and turning what
+happened into an `Outcome`.
 
 Workers and the prober both call `run_handler`; nothing here touches the
-database or the breaker.
+database or the breaker. `load_handler` imports a handler named
+`MODULE:FUNCTION`, as `pgq consume --handler` and the orchestrator recipes do.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from pgq.backoff import retry_delay
 from pgq.classify import Classification
-from pgq.errors import RetryLater
+from pgq.errors import HandlerImportError, RetryLater
 from pgq.records import Claimed, Message, Outcome
 from pgq.settings import Settings
 
@@ -21,6 +26,36 @@ logger = logging.getLogger("pgq.consumer")
 
 MAX_SNOOZE = 30 * 86400.0
 """The longest `RetryLater` delay: 30 days."""
+
+
+def load_handler(path: str) -> Callable[..., Any]:
+    """The handler named `path`, `MODULE:FUNCTION` (`FUNCTION` may be dotted:
+    `module:Class.method`), as `pgq consume --handler` takes it.
+
+    The current directory is importable, as with `python -m`. Raises
+    `HandlerImportError` (a `UsageError`) when the name is malformed, the module
+    cannot be imported (whatever it raised, `SystemExit` included), the attribute
+    is missing or is not callable.
+    """
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise HandlerImportError(f"invalid handler {path!r}: use MODULE:FUNCTION")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except BaseException as exc:  # a module that calls sys.exit() or raises KeyboardInterrupt
+        raise HandlerImportError(
+            f"cannot import handler module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from None
+    target: object = module
+    for part in attr.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            raise HandlerImportError(f"handler {path!r}: {module_name} has no {attr!r}")
+    if not callable(target):
+        raise HandlerImportError(f"handler {path!r} is not callable")
+    return target
 
 
 class Handling:

@@ -36,13 +36,15 @@ mb, d, br = t.member, t.delivery, t.breaker
 
 def _key(
     table_oid: ColumnElement[Any], gid: ColumnElement[Any], name: ColumnElement[Any], purpose: str
-) -> Any:
+) -> ColumnElement[int]:
     """hashtextextended of `oid:[purpose:]gid:name`: a member's lock key for `purpose`."""
     text = cast(table_oid, Text) + literal(":" + (f"{purpose}:" if purpose else ""))
     return func.hashtextextended(text + cast(gid, Text) + literal(":") + name, 0)
 
 
-def member_key(gid: ColumnElement[Any], name: ColumnElement[Any], purpose: str) -> Any:
+def member_key(
+    gid: ColumnElement[Any], name: ColumnElement[Any], purpose: str
+) -> ColumnElement[int]:
     """The advisory lock key of member `name` of group `gid` for `purpose` ("" the
     member's session lock, "prober" the elected prober's name lock): a hash of the
     member table's oid (`:table`, the schema-qualified name: one per schema and

@@ -33,6 +33,7 @@ from functools import cache
 
 from psycopg import sql as psql
 from sqlalchemy import (
+    Boolean,
     Text,
     and_,
     bindparam,
@@ -49,6 +50,7 @@ from sqlalchemy import (
     values,
 )
 from sqlalchemy.sql import ColumnElement, Executable
+from sqlalchemy.sql.functions import Function
 
 CONSUMER_TABLES: dict[str, tuple[str, ...]] = {
     "topic": ("SELECT",),
@@ -238,10 +240,10 @@ _attributes = table(
 
 def _has(check: str, of_role: bool, *args: ColumnElement[object]) -> ColumnElement[bool]:
     """`has_<check>_privilege(...)` for the current role, or for role `:role`."""
-    fn = getattr(func, f"has_{check}_privilege")
+    name = f"has_{check}_privilege"
     if of_role:
-        return fn(bindparam("role", type_=Text), *args)
-    return fn(*args)
+        return Function(name, bindparam("role", type_=Text), *args, type_=Boolean())
+    return Function(name, *args, type_=Boolean())
 
 
 @cache

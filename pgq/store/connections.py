@@ -111,7 +111,11 @@ class RoleConnection:
             ),
             reraise=True,
         )
-        return retryer(self.run, fn, *args, single=single)
+
+        def attempt() -> T:
+            return self.run(fn, *args, single=single)
+
+        return retryer(attempt)
 
     def _discard(self) -> None:
         conn, self._conn = self._conn, None
@@ -196,7 +200,7 @@ def run_hot(conn: Connection, stmt: Executable, params: dict[str, Any]) -> list[
     """
     sql, defaults = driver_sql(conn, stmt)
     driver = conn.connection.driver_connection
-    assert driver is not None
+    assert isinstance(driver, psycopg.Connection)
     with driver.cursor() as cur:
         # prepared after a few calls (psycopg's default): planning the claim anew
         # each time costs ~1 ms of server CPU per batch. The plan is only as good

@@ -102,7 +102,10 @@ def nodes_of(conn: Connection, table: str, values: Iterable[int]) -> dict[int, t
 
 def cutoff(conn: Connection) -> dt.datetime:
     """`place.cutoff`: a time after which nothing prepared is part of what was read."""
-    return conn.execute(place.cutoff()).scalar_one()
+    at = conn.execute(place.cutoff()).scalar_one()
+    if not isinstance(at, dt.datetime):
+        raise PgqError(f"the cutoff time came back as {type(at).__name__}")
+    return at
 
 
 def wait_for_commits(conn: Connection, before: dt.datetime, what: str) -> None:
