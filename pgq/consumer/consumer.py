@@ -12,7 +12,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine
 
@@ -24,12 +24,21 @@ from pgq.consumer.pool import ClaimPool
 from pgq.consumer.runtime import Runtime
 from pgq.errors import DatabaseUnavailable, DuplicateMember, UsageError
 from pgq.names import check_member_name, check_name
-from pgq.records import GroupInfo, Message, RunSummary, StopReason
+from pgq.records import BreakerView, GroupInfo, Message, RunSummary, StopReason
 from pgq.settings import ADAPTIVE, Settings, load_settings
-from pgq.store import GroupStore, group_info, member_engine, member_lock, run_once
+from pgq.store import (
+    GroupStore,
+    SessionLock,
+    group_info,
+    member_engine,
+    member_lock,
+    run_once,
+)
 from pgq.store.privileges import require_consumer_privileges
 
 logger = logging.getLogger("pgq.consumer")
+
+T = TypeVar("T")
 
 MAX_WAIT_RETRIES = 30 * 86400.0
 """The longest `wait_retries`: 30 days, like the longest snooze."""
@@ -198,23 +207,17 @@ class Consumer:
         )
         session = member_lock(engine, info.id, self.name)
         try:
-            held = session.acquire()
-            if not run_once(engine, store.join, s.breaker_member_ttl, held):
-                raise DuplicateMember(
-                    f"a live member named {self.name!r} is already running in group {self.group!r}"
-                )
-            if not held:
-                logger.warning(
-                    "member name taken over from a silent process member=%s; its session"
-                    " lock follows once that session ends",
-                    self.name,
-                )
-            gate = Gate(s, self.clock)
-            view = run_once(engine, store.breaker)
+            joined = self._at_start(until_empty, lambda: self._join(engine, store, session))
         except BaseException:
             session.release()
             engine.dispose()
             raise
+        if joined is None:  # asked to stop while joining
+            session.release()
+            engine.dispose()
+            return
+        gate = Gate(s, self.clock)
+        view = joined
         gate.see_group(view.state, view.epoch)
         runtime = Runtime(member, gate, session, self.clock)
         self._gate, self._runtime = gate, runtime
@@ -311,15 +314,48 @@ class Consumer:
 
     def _group_info(self, until_empty: bool) -> GroupInfo | None:
         """The group, once the role is known to have every privilege a member needs
-        (else `PermissionDenied` naming them), waiting out an unreachable database
-        (bounded by `lease` with `until_empty`: a cron run gives up and exits 75);
-        None if asked to stop."""
+        (else `PermissionDenied` naming them); None if asked to stop."""
+
+        def read() -> GroupInfo:
+            run_once(self.engine, require_consumer_privileges)
+            return group_info(self.engine, self.group)
+
+        return self._at_start(until_empty, read)
+
+    def _join(self, engine: Engine, store: GroupStore, session: SessionLock) -> BreakerView:
+        """Take the member's session lock, register it and read the group's breaker.
+
+        A try cut short by the database going away starts again from a new session:
+        the one whose answer was lost ends with its connection, and with it its lock,
+        so the next try takes the lock (and with it the name) over.
+        """
+        s = self.settings
+        try:
+            held = session.acquire()
+            if not run_once(engine, store.join, s.breaker_member_ttl, held):
+                raise DuplicateMember(
+                    f"a live member named {self.name!r} is already running in group {self.group!r}"
+                )
+            if not held:
+                logger.warning(
+                    "member name taken over from a silent process member=%s; its session"
+                    " lock follows once that session ends",
+                    self.name,
+                )
+            return run_once(engine, store.breaker)
+        except DatabaseUnavailable:
+            session.release()
+            raise
+
+    def _at_start(self, until_empty: bool, step: Callable[[], T]) -> T | None:
+        """`step()`, waiting out an unreachable database with backoff (bounded by
+        `lease` with `until_empty`: a cron run gives up and exits 75); None if asked
+        to stop meanwhile."""
         give_up = time.monotonic() + self.settings.lease if until_empty else None
         delay = 0.2
         while self._early_stop is None:
             try:
-                run_once(self.engine, require_consumer_privileges)
-                return group_info(self.engine, self.group)
+                return step()
             except DatabaseUnavailable as exc:
                 if give_up is not None and time.monotonic() + delay > give_up:
                     raise
