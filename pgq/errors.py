@@ -4,6 +4,7 @@
 user-facing ones (`UsageError` and below) are what the CLI turns into one line
 on stderr and exit code 2. `SystemicError`, `PermanentError` and `RetryLater`
 are raised by handlers to tell the consumer what a failure means.
+`install_extra` words the install hint of an error about a missing extra.
 """
 
 from __future__ import annotations
@@ -109,3 +110,13 @@ class RetryLater(Exception):
             raise ValueError("RetryLater delay must be >= 0")
         self.delay = float(delay)
         super().__init__(message or f"retry later in {self.delay:g}s")
+
+
+def install_extra(extra: str) -> str:
+    """How to install pgq's extra `extra`, as an error's one line says it: from a
+    checkout of pgq (the distribution `pgq-breaker` is not on PyPI yet), or by name
+    where a package index has it."""
+    return (
+        f"pip install -e '.[{extra}]' in a checkout of pgq"
+        f" (pip install 'pgq-breaker[{extra}]' where a package index has it)"
+    )

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from pgq import monitor
-from pgq.errors import ConfigError, PgqError
+from pgq.errors import ConfigError, PgqError, install_extra
 
 if TYPE_CHECKING:
     from pgq.consumer import Consumer
@@ -125,7 +125,7 @@ def serving_metrics(port: int, consumer: Consumer) -> Iterator[None]:
         )
     except ImportError:
         raise ConfigError(
-            "--metrics-port needs the 'metrics' extra: pip install 'pgq-breaker[metrics]'"
+            "--metrics-port needs the 'metrics' extra: " + install_extra("metrics")
         ) from None
     registry = CollectorRegistry()
     for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):

@@ -33,9 +33,6 @@ from airflow.sdk.exceptions import AirflowException, AirflowFailException
 from sqlalchemy import Engine
 
 import pgq
-from pgq.cli.consume import load_handler
-from pgq.errors import BadDsn
-from pgq.settings import load_settings
 
 KILL_GRACE = 4.0
 """Seconds a killed drain lets running handlers finish: Airflow 3's supervisor sends
@@ -115,8 +112,8 @@ class DrainGroupOperator(BaseOperator):
 
     def execute(self, context: Any) -> dict[str, Any]:
         try:
-            handler = load_handler(self.handler)
-            settings = load_settings(
+            handler = pgq.load_handler(self.handler)
+            settings = pgq.load_settings(
                 os.environ.get("PGQ_CONFIG"), env=os.environ, overrides=self.settings
             )
             with pgq_engine() as engine:
@@ -128,11 +125,9 @@ class DrainGroupOperator(BaseOperator):
                     name=f"airflow:{context['run_id']}",
                 )
                 summary = self._consumer.run(until_empty=True, wait_retries=self.wait_retries)
-        except pgq.DatabaseUnavailable as exc:
-            if isinstance(exc, BadDsn):  # a refused login or a missing database
-                raise AirflowFailException(str(exc)) from exc
+        except pgq.DatabaseUnavailable as exc:  # an outage: try later
             raise TryLater(f"database unavailable: {exc}") from exc
-        except pgq.UsageError as exc:
+        except pgq.UsageError as exc:  # configuration, a refused login or missing database too
             raise AirflowFailException(str(exc)) from exc
         counts = dataclasses.asdict(summary)
         self.log.info(

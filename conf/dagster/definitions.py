@@ -31,9 +31,6 @@ import dagster as dg
 from sqlalchemy import Engine
 
 import pgq
-from pgq.cli.consume import load_handler
-from pgq.errors import BadDsn
-from pgq.settings import load_settings
 
 
 class PgqResource(dg.ConfigurableResource):
@@ -60,7 +57,7 @@ class PgqResource(dg.ConfigurableResource):
 
     def settings(self, overrides: dict[str, Any]) -> pgq.Settings:
         """The consumer settings: defaults, the file, `PGQ_*` variables, then `overrides`."""
-        return load_settings(self.config_file, env=os.environ, overrides=overrides)
+        return pgq.load_settings(self.config_file, env=os.environ, overrides=overrides)
 
 
 class PublishConfig(dg.Config):
@@ -114,7 +111,7 @@ def drain_group(
     context: dg.OpExecutionContext, config: DrainConfig, queue: PgqResource
 ) -> dict[str, Any]:
     """Handle what the group has ready, then stop; retry later while a breaker is open."""
-    handler = load_handler(config.handler)
+    handler = pgq.load_handler(config.handler)
     settings = queue.settings(config.settings or {})
     with queue.engine() as engine:
         consumer = pgq.Consumer(
@@ -123,8 +120,8 @@ def drain_group(
         try:
             summary = consumer.run(until_empty=True, wait_retries=config.wait_retries)
         except pgq.DatabaseUnavailable as exc:
-            if isinstance(exc, BadDsn):  # a refused login or a missing database: configuration
-                raise
+            # only an outage: a refused login or a missing database is a pgq.UsageError
+            # (configuration, exit 2 for the CLI) and fails the op at once
             context.log.warning("database unavailable, retrying later error=%s", exc)
             raise dg.RetryRequested(
                 max_retries=config.max_retries, seconds_to_wait=config.retry_wait

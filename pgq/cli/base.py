@@ -37,7 +37,13 @@ import click
 from sqlalchemy import Engine
 
 from pgq.cli.logs import FORMATS, configure_logging
-from pgq.errors import DatabaseUnavailable, EmbeddedServerError, PgqError, UsageError
+from pgq.errors import (
+    DatabaseUnavailable,
+    EmbeddedServerError,
+    PgqError,
+    UsageError,
+    install_extra,
+)
 from pgq.monitor import CHECK_EXIT_CODES
 from pgq.settings import Settings, load_settings
 from pgq.store import connect, with_connect_timeout
@@ -284,8 +290,7 @@ def web_extra() -> ModuleType:
         return importlib.import_module("pgq.web")
     except ImportError as exc:
         raise UsageError(
-            f"the dashboard needs the web extra ({exc.name} is missing):"
-            " pip install 'pgq-breaker[web]'"
+            f"the dashboard needs the web extra ({exc.name} is missing): " + install_extra("web")
         ) from None
 
 
