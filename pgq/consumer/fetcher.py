@@ -17,7 +17,7 @@ from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
 from pgq.consumer.prefetch import AdaptivePrefetch
 from pgq.errors import DatabaseUnavailable, PgqError
-from pgq.records import Claimed
+from pgq.records import Claimed, DrainState
 from pgq.settings import ADAPTIVE
 from pgq.store import Listener, RoleConnection
 
@@ -109,8 +109,9 @@ class Fetcher(Role):
                     continue  # its own last rows still run: claim again meanwhile
                 if gate.local.is_open or gate.claim_mode() != "normal":
                     continue  # a breaker tripped on those last rows: the loop's top decides
-                if self._drained():
-                    m.request_stop("empty")
+                drained = self._drained()
+                if drained is not None:
+                    m.drained(drained.waiting_retry)
                     return
                 # others' leases or retries to wait for: a NOTIFY may come
                 self.listener.wait(DRAIN_RECHECK, m.stop_claiming)
@@ -168,13 +169,14 @@ class Fetcher(Role):
                 return False
         return True
 
-    def _drained(self) -> bool:
-        """True when nothing is ready now, nothing is leased but by other live members,
-        no reconciliation is owed (this member's prober makes it, or waits for the
-        member making it), and, with `wait_retries`, no retry comes due in time."""
+    def _drained(self) -> DrainState | None:
+        """The group's drain state when nothing is ready now, nothing is leased but by
+        other live members, no reconciliation is owed (this member's prober makes it,
+        or waits for the member making it), and, with `wait_retries`, no retry comes
+        due in time; else None."""
         m = self.member
         if not m.idle() or len(m.pool):
-            return False
+            return None
         wait = 0.0
         if m.wait_retries > 0:
             now = time.monotonic()
@@ -185,8 +187,8 @@ class Fetcher(Role):
             swept = self.conn.retrying(m.store.sweep)
             state = self.conn.retrying(m.store.drain_state, m.settings.breaker_member_ttl, wait)
         except DatabaseUnavailable:
-            return False
+            return None
         if swept.reclaimed:
             m.count_reclaimed(swept.reclaimed)
         waiting = state.ready_now + state.held + state.due_soon
-        return waiting == 0 and not state.reconciling and m.idle()
+        return state if waiting == 0 and not state.reconciling and m.idle() else None

@@ -73,6 +73,9 @@ class Member:
     """The first refusal that stopped the member (see `REFUSALS`): `run()` raises it."""
     outcomes_pending: int = 0
     """Outcomes handed to the acker and not yet written."""
+    drained_waiting: int | None = None
+    """Rows waiting for a retry when the drain found the group empty: what the run
+    leaves for a later run (counted then: some come due before the final pass)."""
 
     @property
     def name(self) -> str:
@@ -106,6 +109,13 @@ class Member:
         logger.error(
             "database refused thread=%s member=%s error=%s; stopping", thread, self.name, exc
         )
+
+    def drained(self, waiting_retry: int) -> None:
+        """The group is empty but for `waiting_retry` rows waiting for a later retry."""
+        with self.lock:
+            if self.stop_reason is None:
+                self.drained_waiting = waiting_retry
+        self.request_stop("empty")
 
     def crash(self, thread: str) -> None:
         """A thread died of an unexpected error: stop the whole member, then log it

@@ -144,20 +144,22 @@ class Runtime:
             m.engine.dispose()
 
     def _final_pass(self) -> int:
-        """Advance the frontier, leave the group; return rows waiting for a retry."""
+        """Advance the frontier, leave the group; return rows waiting for a retry (for
+        a drained run: those the drain left, though some may have come due since)."""
         m = self.member
         store, ttl = m.store, m.settings.breaker_member_ttl
         try:
             run_once(m.engine, store.advance_frontier)
             run_once(m.engine, store.leave)
-            return run_once(m.engine, store.drain_state, ttl).waiting_retry
+            waiting = run_once(m.engine, store.drain_state, ttl).waiting_retry
+            return waiting if m.drained_waiting is None else m.drained_waiting
         except REFUSALS as exc:
             logger.error("final maintenance pass refused error=%s", exc)
             self._final_refusal = exc
             return 0
         except DatabaseUnavailable as exc:
             logger.warning("final maintenance pass failed error=%s", exc)
-            return 0
+            return m.drained_waiting or 0
 
     def summary(self, waiting: int) -> RunSummary:
         """The running counts as a `RunSummary`."""

@@ -63,3 +63,50 @@ def test_a_join_cut_by_the_network_is_retried(orders, pg_dsn, schema):
     assert summary.stop_reason == "empty"
     assert summary.done == 3 and sorted(set(handled)) == sorted(handled)
     assert pgq.status(orders, "billing")["counts"]["done"] == 3
+
+
+def test_a_drained_run_counts_the_retries_it_left_even_once_they_came_due(orders, pg_dsn, schema):
+    """`until_empty` ends with a row waiting for a retry: the summary counts it as left
+    for a later run. Before: the count was read again by the final pass, and a retry
+    that had come due by then counted nowhere (a run under load "left nothing" while
+    rows it never finished were ready; 21 of 6,000 in a loaded CI run). Here the final
+    pass waits, on the member's row, until the retry is due."""
+    mid = pgq.publish(orders, "orders", {"n": 1})
+    holder = psycopg.connect(pg_dsn)
+    calls: list[int] = []
+    locked = threading.Event()
+
+    def handler(msg: pgq.Message) -> None:
+        calls.append(msg.id)
+        if len(calls) == 1:  # from now on leaving the group waits for this session
+            holder.execute(f'SELECT 1 FROM "{schema}".member FOR UPDATE')
+            locked.set()
+        raise pgq.RetryLater(0.5)
+
+    consumer = pgq.Consumer(orders, "billing", handler, **FAST)
+    out: list[pgq.RunSummary] = []
+    runner = threading.Thread(target=lambda: out.append(consumer.run(until_empty=True)))
+    try:
+        runner.start()
+        assert locked.wait(WAIT), "the handler was not called"
+        due = (
+            f'SELECT available_at <= now() FROM "{schema}".delivery'
+            " WHERE message_id = %s AND state = 'ready'"
+        )
+        with psycopg.connect(pg_dsn, autocommit=True) as watch:
+            wait_until(
+                lambda: (watch.execute(due, (mid,)).fetchone() or [False])[0],
+                WAIT,
+                "the snoozed row to come due",
+                describe=lambda: watch.execute(
+                    f'SELECT state, available_at, now() FROM "{schema}".delivery'
+                ).fetchall(),
+            )
+        holder.rollback()
+        runner.join(WAIT)
+        assert not runner.is_alive(), "the run did not end"
+    finally:
+        holder.close()
+    (summary,) = out
+    assert summary.stop_reason == "empty" and calls == [mid]
+    assert summary.waiting_retry == 1, summary
