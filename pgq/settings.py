@@ -15,8 +15,9 @@ Layers, lowest first:
 Values: integers are ints; rates and quorums are numbers in (0, 1]; durations are
 seconds as int or float, or a duration string such as `"90s"`, `"5m"`, `"12h"`,
 `"7d"`, `"1h30m"` or `"250ms"`. Every loaded layer may also give numbers as strings
-(environment variables always do); `prefetch` also takes `"auto"` (2 × `workers`) and
-`"adaptive"` (follows the handlers' pace, from 2 × `workers` up to 4 × `batch_size`).
+(environment variables always do); `prefetch` also takes `"adaptive"` (the default:
+follows the handlers' pace, from 2 × `workers` up to 4 × `batch_size`) and `"auto"`
+(2 × `workers`).
 `True` is not an integer. Constructing `Settings(...)` directly takes typed values
 only; parsing strings is the loaders' job.
 
@@ -100,9 +101,11 @@ _COUNT = "count"  # int >= 1
 _COUNT0 = "count0"  # int >= 0
 _DURATION = "duration"  # seconds, float > 0, or a duration string
 _FRACTION = "fraction"  # float in (0, 1]
-_PREFETCH = "prefetch"  # int >= 1, None / "auto" for 2 × workers, or "adaptive"
+_PREFETCH = "prefetch"  # "adaptive", int >= 1, or "auto" (None) for 2 × workers
 ADAPTIVE = "adaptive"
-"""The `prefetch` value that lets the pool's bound follow the handlers' pace."""
+"""The `prefetch` value that lets the pool's bound follow the handlers' pace (the default)."""
+AUTO = "auto"
+"""The `prefetch` value for a fixed bound of 2 × `workers`."""
 
 
 def _setting(default: object, kind: str) -> Any:
@@ -136,9 +139,10 @@ class Settings:
     """Idle fetchers poll this often when no NOTIFY arrives."""
     shutdown_grace: float = _setting(30.0, _DURATION)
     """On shutdown, how long running handlers may take to finish."""
-    prefetch: int | str | None = _setting(None, _PREFETCH)
-    """Most unstarted rows held in the buffered-claim pool; None means 2 × workers;
-    "adaptive" follows the handlers' pace (2 × workers up to 4 × batch_size)."""
+    prefetch: int | str | None = _setting(ADAPTIVE, _PREFETCH)
+    """Most unstarted rows held in the buffered-claim pool: "adaptive" (the default)
+    follows the handlers' pace (2 × workers up to 4 × batch_size, decision 0019); a
+    number is an exact bound; "auto" (or None) means 2 × workers."""
     handler_timeout: float = _setting(300.0, _DURATION)
     """A handler running longer fails as systemic (TimeoutError)."""
     retention: float = _setting(604800.0, _DURATION)
@@ -291,7 +295,7 @@ _DURATION_HELP = "a number of seconds or a duration such as '90s', '5m', '1h30m'
 def _check_value(name: str, value: object, origin: _Origin) -> Any:
     """Type and range of one typed value; returns it normalized (floats as float)."""
     kind = _FIELDS[name].metadata["kind"]
-    if kind == _PREFETCH and (value is None or value == ADAPTIVE):
+    if kind == _PREFETCH and value in (None, AUTO, ADAPTIVE):
         return value
     if kind in (_COUNT, _COUNT0, _PREFETCH):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -325,8 +329,8 @@ def _parse(name: str, raw: object, origin: _Origin) -> Any:
     if isinstance(raw, str):
         text = raw.strip()
         try:
-            if kind == _PREFETCH and text in ("auto", ADAPTIVE):
-                value = None if text == "auto" else ADAPTIVE
+            if kind == _PREFETCH and text in (AUTO, ADAPTIVE):
+                value = text
             elif kind in (_COUNT, _COUNT0, _PREFETCH):
                 value = int(_ascii(text, _INTEGER))
             elif kind == _DURATION:

@@ -57,7 +57,7 @@ def test_defaults() -> None:
         "retry_backoff_max": 300.0,
         "poll_interval": 1.0,
         "shutdown_grace": 30.0,
-        "prefetch": None,
+        "prefetch": "adaptive",
         "handler_timeout": 300.0,
         "retention": 604800.0,
         "breaker_window": 20,
@@ -170,9 +170,11 @@ def test_empty_env_var_counts_as_unset() -> None:
 
 def test_prefetch_auto_and_none() -> None:
     assert load_settings(env={"PGQ_PREFETCH": "7"}).prefetch == 7
-    assert load_settings(env={"PGQ_PREFETCH": "auto"}).prefetch is None
+    assert load_settings(env={"PGQ_PREFETCH": "auto"}).prefetch == "auto"
     s = load_settings(env={"PGQ_PREFETCH": "7"}, overrides={"prefetch": "auto"})
-    assert s.prefetch is None and s.effective_prefetch == 16
+    assert s.prefetch == "auto" and s.effective_prefetch == 16
+    assert Settings(prefetch=None).effective_prefetch == 16  # None, typed, is "auto" too
+    assert load_settings(env={}, overrides={"prefetch": None}).prefetch == "adaptive"  # not given
 
 
 def test_prefetch_adaptive_from_every_layer(tmp_path: Path) -> None:
@@ -515,11 +517,11 @@ def test_numbers_from_text_are_ascii_digits(raw: str) -> None:
 
 
 def test_the_variables_ci_exports_are_not_refused_as_settings():
-    """`.ci/run` exports `PGQ_TEST_DSN` and `PGQ_CITUS_DSN` for the test run: every
+    """`.ci/run` sets `PGQ_TEST_DSN` and `PGQ_CITUS_DSN` for the test run: every
     `pgq` process the tests start inherits them, so they must not be unknown settings
     (the first CI run with the Citus cluster failed 40 tests that way)."""
     script = (Path(__file__).resolve().parents[2] / ".ci" / "run").read_text()
-    exported = set(re.findall(r"export (PGQ_[A-Z_]+)=", script))
+    exported = set(re.findall(r"^\s*(?:export )?(PGQ_[A-Z_]+)=", script, re.MULTILINE))
     assert {"PGQ_TEST_DSN", "PGQ_CITUS_DSN"} <= exported
     env = {name: "postgresql://x@127.0.0.1/db" for name in exported}
     load_settings(None, env=env)  # raises ConfigError for an unknown PGQ_* variable
