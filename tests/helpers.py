@@ -84,6 +84,38 @@ def wait_until(
         time.sleep(interval)
 
 
+def waiting_on(engine: Engine, pid: int, query_like: str = "%") -> list[int]:
+    """The backends waiting for a lock that backend `pid` holds, whose statement is
+    `LIKE query_like`: to wait until a statement is stuck behind a test's lock."""
+    from sqlalchemy import text
+
+    with engine.connect() as conn:
+        found = conn.execute(
+            text(
+                "SELECT pid FROM pg_stat_activity"
+                " WHERE CAST(:pid AS int) = ANY(pg_blocking_pids(pid)) AND query LIKE :like"
+            ),
+            {"pid": pid, "like": query_like},
+        ).scalars()
+        return list(found)
+
+
+def reap(proc: subprocess.Popen[str], timeout: float = 10.0) -> None:
+    """Kill `proc` if it still runs (resuming it first, should it be paused), wait for
+    it, and close its pipes, also when it had exited on its own: a pipe left open
+    is a `ResourceWarning` when the `Popen` is collected, during whichever test runs
+    then (under filterwarnings=error, that test fails)."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+    proc.wait(timeout)
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            stream.close()
+
+
 def rows(engine: Engine, group: str) -> dict[int, Any]:
     """The delivery rows of `group` by message id (every column of `pgq.delivery`)."""
     d, g = t.delivery, t.consumer_group

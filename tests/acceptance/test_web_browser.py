@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import wait_until
+from helpers import reap, wait_until
 from members import ConsumeProcesses, consume_processes
 from sqlalchemy import Engine
 
@@ -80,7 +80,15 @@ class Members(ConsumeProcesses):
 @pytest.fixture
 def members(engine: Engine, pgq_env: dict[str, str], tmp_path: Path) -> Iterator[Members]:
     with consume_processes(Members, engine, pgq_env, tmp_path) as group:
-        yield group
+        try:
+            yield group
+        finally:
+            # every member reaped and its pipes closed, also one that had exited by
+            # itself (a failed test's): `consume_processes` only reaps those still
+            # running, and an open pipe collected later is a ResourceWarning that
+            # fails whichever test runs then (the next one here, the admin requeue)
+            for proc in group.procs.values():
+                reap(proc)
 
 
 @pytest.fixture

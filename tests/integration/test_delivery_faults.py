@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import ctypes
 import datetime as dt
+import logging
 import threading
 import time
 
 import pytest
-from helpers import FAST, pin_frontier, rows, states, wait_until
+from helpers import FAST, pin_frontier, rows, states, wait_until, waiting_on
 from sqlalchemy import Engine, text
 
 import pgq
@@ -154,15 +155,21 @@ def test_an_exception_in_the_run_thread_shuts_the_member_down_then_propagates(or
     assert consumer.stop().done == 1  # after the shutdown, stop() only reports
 
 
-def test_a_stop_asked_for_while_starting_is_honoured(pg_dsn, schema):
+def test_a_stop_asked_for_while_starting_is_honoured(pg_dsn, schema, caplog):
     """Defect 8: a stop asked for while the member is still starting (here: waiting
     for an unreachable database) ends the run instead of being forgotten."""
+    caplog.set_level(logging.WARNING, logger="pgq.consumer")
     engine = pgq.connect("postgresql://postgres@127.0.0.1:1/none", schema=schema)
     consumer = pgq.Consumer(engine, "billing", lambda m: None, **FAST)
     result: list[pgq.RunSummary] = []
     runner = threading.Thread(target=lambda: result.append(consumer.run()))
     runner.start()
-    time.sleep(0.3)  # it is retrying the unreachable database now
+    wait_until(
+        lambda: "database unavailable at start, retrying" in caplog.text,
+        WAIT,
+        "the member to retry the unreachable database",
+    )
+    assert runner.is_alive() and not result, result
     consumer.request_stop()
     runner.join(10)
     assert not runner.is_alive(), "the run went on after the stop"
@@ -217,7 +224,7 @@ def test_wait_retries_must_be_a_sane_number(orders):
 
 
 def test_rows_a_release_could_not_hand_back_are_released_when_the_database_returns(
-    orders, pg_dsn, schema
+    orders, pg_dsn, schema, caplog
 ):
     """Defect 5: the local breaker trips while the database is away, so releasing the
     buffered rows fails. Those rows must not stay held (extended for the member's
@@ -228,13 +235,21 @@ def test_rows_a_release_could_not_hand_back_are_released_when_the_database_retur
     # one running and four buffered: the pool is full, nothing is left to claim
     ids = pgq.publish_many(engine, "orders", [{"n": i} for i in range(5)])
     failures: list[int] = []
+    caplog.set_level(logging.WARNING, logger="pgq.consumer")
+
+    def first_outcome_written() -> bool:
+        return bool(rows(engine, "billing")[failures[0]].attempts == 1)
+
     with Proxy.for_dsn(pg_dsn) as proxy:
         through = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
 
         def handler(message: pgq.Message) -> None:
             failures.append(message.id)
             if len(failures) == 2:  # the trip comes with the database gone
-                time.sleep(1.0)  # the fetcher found nothing to claim and waits to poll
+                # all five rows are claimed (the fetcher idles: nothing is left to claim)
+                # and the first failure's retry is written: the outage interrupts the
+                # trip's release alone
+                wait_until(first_outcome_written, WAIT, "the first failure's retry written")
                 proxy.refuse()
                 proxy.cut()
             raise pgq.SystemicError("dependency down")
@@ -258,7 +273,11 @@ def test_rows_a_release_could_not_hand_back_are_released_when_the_database_retur
         consumer.start()
         try:
             wait_until(lambda: len(failures) == 2, WAIT, "two systemic failures")
-            time.sleep(5.0)  # the fetcher wakes from its poll and its release fails
+            wait_until(
+                lambda: "could not release rows" in caplog.text,
+                WAIT,
+                "the fetcher's release of the buffered rows to fail",
+            )
             proxy.allow()
             unstarted = set(ids) - set(failures)
 
@@ -287,6 +306,7 @@ def test_a_second_signal_releases_buffered_rows_and_writes_finished_outcomes(ord
     pgq.publish_many(engine, "orders", [{"n": i} for i in range(12)])
     blocker = engine.connect()
     tx = blocker.begin()
+    blocker_pid = blocker.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
     first_running, first_locked, gate = threading.Event(), threading.Event(), threading.Event()
     handled: list[int] = []
 
@@ -296,7 +316,12 @@ def test_a_second_signal_releases_buffered_rows_and_writes_finished_outcomes(ord
             first_running.set()
             assert first_locked.wait(WAIT)  # its outcome's write will wait on the lock
         elif len(handled) <= 3:
-            time.sleep(0.2)  # finish after the acker took the first outcome alone
+            # finish after the acker took the first outcome alone: its write waits
+            wait_until(
+                lambda: waiting_on(engine, blocker_pid, "%SET state=%"),
+                WAIT,
+                "the first outcome's write to wait on the test's lock",
+            )
         else:
             assert gate.wait(WAIT)
 
@@ -514,7 +539,7 @@ def test_outcomes_written_before_a_cut_are_not_counted_refused(orders, pg_dsn, s
         runner.start()
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline and runner.is_alive():
-            time.sleep(0.2)
+            time.sleep(0.2)  # the faults under test: a cut every 0.2 s for 5 s
             proxy.cut()
         runner.join(120)
         through.dispose()

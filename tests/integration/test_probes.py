@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import psycopg
 import pytest
-from helpers import LONE_OUTAGE, pin_frontier, rows, wait_until
+from helpers import LONE_OUTAGE, pin_frontier, rows, wait_until, waiting_on
 from sqlalchemy import Engine
 
 import pgq
@@ -348,7 +348,9 @@ def test_after_a_lock_loss_only_one_probe_runs_at_a_time(topic, schema, pg_dsn, 
         20,
         "another member to win the election",
     )
-    deadline = time.monotonic() + 1.5  # the first probe still runs: watch for a second
+    # what is under test is that nothing happens: for 1.5 s, while the first probe
+    # still runs, watch for a second one
+    deadline = time.monotonic() + 1.5
     while time.monotonic() < deadline and len(spans) < 2:
         time.sleep(0.05)
     release.set()
@@ -368,23 +370,35 @@ def test_a_probe_slot_renewed_late_is_reported(topic, schema, consumers, caplog)
     engine = topic
     pgq.publish_many(engine, "t", [{"i": i} for i in range(3)])
     open_group(engine, schema)
-    started = threading.Event()
+    started, finish = threading.Event(), threading.Event()
 
     def handler(msg: pgq.Message) -> None:
         if threading.current_thread().name == PROBE_THREAD:
             started.set()
-            time.sleep(3.0)
+            finish.wait(30)  # the probe runs until the renewal has come back late
 
     caplog.set_level(logging.WARNING, logger="pgq.breaker")
     consumers(engine, handler, name="a")
-    assert started.wait(20), "no probe started"
-    ttl = SHORT["breaker_member_ttl"]
-    with engine.connect() as blocker, blocker.begin():
-        blocker.exec_driver_sql(f'SELECT 1 FROM "{schema}".breaker FOR UPDATE')
-        time.sleep(ttl * 1.8)  # the renewal waits on the row meanwhile
-    wait_until(
-        lambda: "probe slot not renewed in time" in caplog.text, 10, "the late renewal's warning"
-    )
+    try:
+        assert started.wait(20), "no probe started"
+        ttl = SHORT["breaker_member_ttl"]
+        with engine.connect() as blocker, blocker.begin():
+            blocker.exec_driver_sql(f'SELECT 1 FROM "{schema}".breaker FOR UPDATE')
+            pid = blocker.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+            wait_until(
+                lambda: waiting_on(engine, pid, "%next_probe_at%"),
+                20,
+                "the renewal to wait on the breaker row",
+            )
+            # the stall under test: the renewal comes back well past `member_ttl`
+            time.sleep(ttl * 1.8)
+        wait_until(
+            lambda: "probe slot not renewed in time" in caplog.text,
+            10,
+            "the late renewal's warning",
+        )
+    finally:
+        finish.set()
 
 
 # -- the probe log ----------------------------------------------------------------------

@@ -6,6 +6,7 @@ PostgreSQL, raw HTTP (`http.client`) so any method, header or body can be sent.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import logging
 import re
@@ -46,6 +47,27 @@ def url_of(log: Path, proc: subprocess.Popen[str]) -> str:
     return wait_until(printed, 60, "pgq web to print its URL", interval=0.1)
 
 
+def unserved(port: int) -> int:
+    """Nonzero while connections to the local TCP `port` wait for its server: in the
+    listening socket's accept queue, or with request bytes it has not read (a count
+    of such queues, from Linux's /proc/net/tcp and tcp6)."""
+    waiting = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                local, state, queues = fields[1], fields[3], fields[4]
+                if int(local.rsplit(":", 1)[1], 16) != port:
+                    continue
+                rx = int(queues.split(":")[1], 16)
+                if state == "0A":  # LISTEN: rx is the accept queue's length
+                    waiting += rx
+                elif state == "01" and rx:  # ESTABLISHED, bytes the server has not read
+                    waiting += 1
+    return waiting
+
+
 def demo_schemas(dsn: str) -> set[str]:
     with psycopg.connect(dsn) as conn:
         rows = conn.execute(
@@ -70,17 +92,34 @@ def test_pgq_web_stops_on_sigterm_and_sighup_as_on_ctrl_c(engine, pgq_env, tmp_p
     url = url_of(log, proc)
     port = urllib.parse.urlsplit(url).port
     answers: list[object] = []
+    sent = threading.Semaphore(0)
 
     def browse() -> None:
+        parts = urllib.parse.urlsplit(url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
         try:
-            answers.append(status_of(url, path="/groups/g"))
+            conn.request("GET", "/groups/g")
+            sent.release()
+            resp = conn.getresponse()
+            resp.read()
+            answers.append(resp.status)
         except OSError as exc:
             answers.append(type(exc).__name__)
+        finally:
+            conn.close()
 
     threads = [threading.Thread(target=browse) for _ in range(8)]
     for th in threads:
         th.start()
-    time.sleep(0.05)  # let the requests get in flight (the answers say if they did not)
+    # the requests are in flight: all sent, and taken in by the server (accepted, read)
+    for _ in threads:
+        assert sent.acquire(timeout=30), answers
+    wait_until(
+        lambda: unserved(port) == 0,
+        30,
+        "the server to take the requests in",
+        describe=lambda: unserved(port),
+    )
     proc.send_signal(sig)
     code, out, _ = finish(proc, 30)
     for th in threads:
@@ -179,10 +218,14 @@ def test_a_read_waiting_for_a_reader_when_the_reads_close_is_unavailable(engine)
     assert busy.wait(10)
     second = threading.Thread(target=queued)
     second.start()
-    time.sleep(0.2)  # queued behind the busy reader
+    queue = reads._readers._work_queue  # the executor's: reads no reader has taken yet
+    wait_until(lambda: queue.qsize() == 1, 10, "the second read queued behind the busy one")
     closer = threading.Thread(target=reads.close)
     closer.start()
-    time.sleep(0.2)
+    # the close ends the queued read at once, while the busy reader still holds on
+    second.join(10)
+    assert not second.is_alive(), "the queued read waited for the busy reader"
+    assert first.is_alive() and closer.is_alive()
     release.set()
     for thread in (first, second, closer):
         thread.join(10)
