@@ -78,6 +78,11 @@ class TransactionConflict(DatabaseError):
     """The transaction lost a conflict (serialization failure, deadlock): retry it."""
 
 
+class LockNotAvailable(TransactionConflict):
+    """A lock was not granted within the lock timeout (or at once, NOWAIT): try
+    again later."""
+
+
 class StatementTimeout(DatabaseError):
     """A statement ran past its time limit or was cancelled."""
 

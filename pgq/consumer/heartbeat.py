@@ -1,12 +1,16 @@
-"""The heartbeat thread: the member's liveness and its view of the group breaker.
+"""The heartbeat thread: the member's liveness, its leases and its view of the
+group breaker.
 
 Every `breaker.heartbeat` seconds (at once when a breaker changes) it checks
 that the member's session lock is still held (taking it again if not), records
 the member's liveness and local breaker state, opens the group when the
 quorum of tripped live members is there (one conditional statement), feeds
 the group state to the gate, and starts the prober while the group is OPEN or
-a reconciliation is owed. It has its own connection, so a long maintenance
-task never delays a heartbeat.
+a reconciliation is owed. Every `lease / 3` seconds it extends the leases of
+the rows the member holds. It has its own connection, and none of its
+statements waits on locks that callers or housekeeping hold for long, so a
+housekeeping pass stuck behind a lock (retention behind a caller's open
+`subscribe`) never delays a heartbeat nor a lease extension (decision 0025).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from collections.abc import Callable
 from sqlalchemy import Connection
 
 from pgq.consumer.gate import Gate
+from pgq.consumer.maintenance import Task, run_task
 from pgq.consumer.member import Member, Role
 from pgq.consumer.prober import Prober
 from pgq.errors import DatabaseUnavailable
@@ -47,6 +52,11 @@ class Heartbeat(Role):
         self.conn = RoleConnection(member.engine, "heartbeat", self.finish)
         self.prober: Prober | None = None
         self._failing = False
+        self.extension = Task(
+            "extend-leases", max(0.05, member.settings.lease / 3), self.extend_leases
+        )
+        """Lease extension: a task of its own on this thread (a failure is logged and
+        tried again at the next period, a refusal stops the member)."""
 
     def poke(self) -> None:
         """Beat as soon as possible (a breaker changed)."""
@@ -58,13 +68,35 @@ class Heartbeat(Role):
 
     def work(self) -> None:
         interval = self.member.settings.breaker_heartbeat
+        extension = self.extension
+        beat_due = self.clock()
         try:
             while not self.finish.is_set():
-                self._poked.clear()
-                self._beat_logged()
-                self._poked.wait(interval)
+                if self._poked.is_set() or self.clock() >= beat_due:
+                    self._poked.clear()
+                    self._beat_logged()
+                    beat_due = self.clock() + interval
+                if not self.finish.is_set() and self.clock() >= extension.due:
+                    run_task(extension, self.member, "heartbeat")
+                    extension.due = self.clock() + extension.interval
+                self._poked.wait(max(0.0, min(beat_due, extension.due) - self.clock()))
         finally:
             self.conn.close()
+
+    def extend_leases(self) -> None:
+        """Keep the leases of every held row (buffered or running) alive."""
+        m = self.member
+        leases = m.leases()
+        if not leases:
+            return
+        kept = self.conn.run(m.store.extend, leases)
+        lost = [lease for lease in leases if lease not in kept]
+        if lost:
+            # written meanwhile (fine) or reclaimed by someone else (fenced)
+            with m.lock:
+                still_held = [lease.id for lease in lost if lease in m.held]
+            if still_held:
+                logger.debug("leases no longer held ids=%s", still_held[:20])
 
     def _beat_logged(self) -> None:
         try:

@@ -1,12 +1,17 @@
-"""The maintenance thread: periodic tasks on the member's own connection.
+"""The maintenance thread: periodic housekeeping on the member's own connection.
 
-Lease extension, the expired-lease sweep, the frontier advance, statistics,
-pruning, retention, forgetting departed members and the handler-timeout
-watchdog run as small task objects on a scheduler (psycopg_pool's maintenance
-style): a task that fails logs and the loop goes on. A task the database
-refuses for good (a missing privilege, the schema gone, the login refused) stops
-the member instead: it could never do its job, and `Consumer.run()` raises that
-error (`refused`) once the member is down. The heartbeat has its own thread (`heartbeat.py`).
+The expired-lease sweep, the frontier advance, statistics, pruning, retention,
+forgetting departed members and the handler-timeout watchdog run as small task
+objects on a scheduler (psycopg_pool's maintenance style): a task that fails logs
+and the loop goes on. A task the database refuses for good (a missing privilege,
+the schema gone, the login refused) stops the member instead: it could never do
+its job, and `Consumer.run()` raises that error (`refused`) once the member is down.
+
+Housekeeping may wait for locks that other sessions hold (retention waits for a
+caller's open `subscribe`, ANALYZE for a VACUUM): its transactions give up after
+`HOUSEKEEPING_LOCK_TIMEOUT`, and the pass is tried again at its next period. Lease
+extension is not here: it runs on the heartbeat's thread and connection
+(`heartbeat.py`, decision 0025), where no housekeeping statement can delay it.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pgq.consumer.member import REFUSALS, Member, Role
-from pgq.errors import DatabaseUnavailable, PgqError
+from pgq.errors import DatabaseUnavailable, LockNotAvailable, TransactionConflict
 from pgq.store import RoleConnection
 from pgq.store.group import EXPIRE_BATCH
 from pgq.store.members import forget_departed
@@ -28,7 +33,10 @@ logger = logging.getLogger("pgq.consumer")
 EXPIRE_BUDGET = 2.0
 """Seconds one retention pass may spend deleting (it runs every minute)."""
 
-"""Errors no retry can fix: the member stops."""
+HOUSEKEEPING_LOCK_TIMEOUT = 3.0
+"""Seconds a housekeeping statement waits for a lock (`lock_timeout`) before its
+pass gives up until the next period: a caller's transaction that holds the topic
+(an open `subscribe`) must not stall the maintenance thread."""
 
 
 @dataclass(slots=True)
@@ -42,6 +50,44 @@ class Task:
     failing: bool = False
 
 
+def run_task(task: Task, member: Member, thread: str) -> None:
+    """Run `task` once under the task policy: an error is logged and the task is
+    tried again at its next period; a lost conflict (a lock not granted within the
+    lock timeout, a deadlock) defers it; a refusal (`REFUSALS`) stops the member."""
+    try:
+        task.run()
+    except REFUSALS as exc:
+        if not task.failing:  # the other tasks go on until the member is down
+            task.failing = True
+            member.refuse(f"{thread}:{task.name}", exc)
+        return
+    except DatabaseUnavailable as exc:
+        if not task.failing:
+            logger.warning("maintenance task failed task=%s error=%s", task.name, exc)
+        task.failing = True
+        return
+    except TransactionConflict as exc:
+        reason = "lock_timeout" if isinstance(exc, LockNotAvailable) else "conflict"
+        logger.log(
+            logging.INFO if task.failing else logging.WARNING,
+            "maintenance task deferred task=%s reason=%s group=%s member=%s error=%s",
+            task.name,
+            reason,
+            member.store.group,
+            member.name,
+            exc,
+        )
+        task.failing = True
+        return
+    except Exception:
+        logger.exception("maintenance task failed task=%s", task.name)
+        task.failing = True
+        return
+    if task.failing:
+        logger.info("maintenance task recovered task=%s", task.name)
+    task.failing = False
+
+
 class Maintenance(Role):
     """Runs the member's periodic tasks until `finish` is set."""
 
@@ -50,7 +96,9 @@ class Maintenance(Role):
         self.clock = clock
         self.finish = threading.Event()
         self._wake = threading.Event()
-        self.conn = RoleConnection(member.engine, "maintenance", self.finish)
+        self.conn = RoleConnection(
+            member.engine, "maintenance", self.finish, lock_timeout=HOUSEKEEPING_LOCK_TIMEOUT
+        )
         self.vacuum_conn = RoleConnection(member.engine, "vacuum", self.finish)
         self._vacuuming: threading.Thread | None = None
         self.tasks: list[Task] = []
@@ -90,48 +138,9 @@ class Maintenance(Role):
         self._wake.set()
 
     def _run_task(self, task: Task) -> None:
-        try:
-            task.run()
-        except REFUSALS as exc:
-            self._refuse(task, exc)
-            return
-        except DatabaseUnavailable as exc:
-            if not task.failing:
-                logger.warning("maintenance task failed task=%s error=%s", task.name, exc)
-            task.failing = True
-            return
-        except Exception:
-            logger.exception("maintenance task failed task=%s", task.name)
-            task.failing = True
-            return
-        if task.failing:
-            logger.info("maintenance task recovered task=%s", task.name)
-        task.failing = False
-
-    def _refuse(self, task: Task, exc: PgqError) -> None:
-        """`task` can never succeed: stop the member (the other tasks go on until
-        it is down: leases of running handlers are still extended)."""
-        if task.failing:
-            return
-        task.failing = True
-        self.member.refuse(f"maintenance:{task.name}", exc)
+        run_task(task, self.member, "maintenance")
 
     # -- the standard tasks ---------------------------------------------------
-
-    def extend_leases(self) -> None:
-        """Keep the leases of every held row (buffered or running) alive."""
-        m = self.member
-        leases = m.leases()
-        if not leases:
-            return
-        kept = self.conn.run(m.store.extend, leases)
-        lost = [lease for lease in leases if lease not in kept]
-        if lost:
-            # written meanwhile (fine) or reclaimed by someone else (fenced)
-            with m.lock:
-                still_held = [lease.id for lease in lost if lease in m.held]
-            if still_held:
-                logger.debug("leases no longer held ids=%s", still_held[:20])
 
     def sweep(self) -> None:
         """Reclaim rows whose lease expired without an outcome."""

@@ -1,9 +1,10 @@
 """One running member: its threads, how they are wired, and the fixed-order shutdown.
 
     fetcher ──claims──▶ buffered-claim pool ──▶ workers (handler) ──outcomes──▶ acker
-    heartbeat: liveness, quorum open, group state ──▶ gate; starts the prober
-    maintenance: lease extension, sweep, frontier, statistics, pruning, retention,
-                 handler timeouts
+    heartbeat: liveness, lease extension, quorum open, group state ──▶ gate;
+               starts the prober
+    maintenance: sweep, frontier, statistics, pruning, retention, handler timeouts
+                 (housekeeping: gives up on a lock after a few seconds)
 
 Data flows one way: the gate tells its listeners (fetcher, pool, heartbeat)
 when a breaker changes; workers take the gate and the acker directly; each
@@ -33,6 +34,9 @@ from pgq.store import SessionLock, run_once
 VACUUM_EVERY = 5.0
 """Seconds between a member's checks whether `delivery` needs a VACUUM (decision 0021)."""
 
+RETENTION_EVERY = 60.0
+"""Seconds between a member's retention passes (the first runs at start)."""
+
 logger = logging.getLogger("pgq.consumer")
 
 
@@ -51,16 +55,13 @@ class Runtime:
         self.workers = Workers(member, gate, self.acker, clock)
         self.fetcher = Fetcher(member, gate)
         self.heartbeat = Heartbeat(member, gate, session, clock)
-        self.maintenance = Maintenance(member, clock)
-        self.maintenance.add(
-            "extend-leases", max(0.05, s.lease / 3), self.maintenance.extend_leases
-        )
+        self.maintenance = Maintenance(member, clock)  # leases: the heartbeat extends them
         self.maintenance.add("sweep", max(0.05, min(1.0, s.lease / 3)), self.maintenance.sweep)
         self.maintenance.add("frontier", 1.0, self.maintenance.advance_frontier)
         self.maintenance.add("statistics", 10.0, self.maintenance.refresh_statistics)
         self.maintenance.add("vacuum", VACUUM_EVERY, self.maintenance.vacuum)
         self.maintenance.add("prune", 60.0, self.maintenance.prune)
-        self.maintenance.add("retention", 60.0, self.maintenance.expire_messages)
+        self.maintenance.add("retention", RETENTION_EVERY, self.maintenance.expire_messages)
         self.maintenance.add("forget-members", 60.0, self.maintenance.forget_members)
         self.maintenance.add(
             "handler-timeouts", min(0.5, s.handler_timeout / 4), self.workers.check_timeouts

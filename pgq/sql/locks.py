@@ -18,6 +18,7 @@ from sqlalchemy import (
     literal_column,
     select,
     table,
+    true,
 )
 from sqlalchemy.sql import ColumnElement, Select
 
@@ -129,3 +130,10 @@ def try_xact_lock(key: int) -> Select[tuple[bool]]:
 def idle_session_timeout() -> Select[tuple[str]]:
     """End this session once it has been idle for `:ms` milliseconds (PostgreSQL 14+)."""
     return select(func.set_config(literal("idle_session_timeout"), bindparam("ms"), false()))
+
+
+@cache
+def lock_timeout() -> Select[tuple[str]]:
+    """Make this transaction's statements give up waiting for a lock after `:ms`
+    milliseconds (SQLSTATE 55P03, `lock_timeout`); reset at its end."""
+    return select(func.set_config(literal("lock_timeout"), bindparam("ms"), true()))

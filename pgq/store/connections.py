@@ -33,7 +33,13 @@ from pgq.errors import DatabaseUnavailable
 from pgq.schema import SCHEMA_PLACEHOLDER
 from pgq.sql import breaker as breaker_sql
 from pgq.sql import members as member_sql
-from pgq.sql.locks import idle_session_timeout, lock_key, try_session_lock, unlock_session
+from pgq.sql.locks import (
+    idle_session_timeout,
+    lock_key,
+    lock_timeout,
+    try_session_lock,
+    unlock_session,
+)
 from pgq.sql.publish import notify_channel
 from pgq.store.engine import connect, conninfo_of, schema_of
 from pgq.store.errors import wrap_errors
@@ -60,17 +66,29 @@ class RoleConnection:
     When the database is unreachable the connection is thrown away (the next
     call opens a new one) and `DatabaseUnavailable` is raised; `retrying(fn)`
     retries that with exponential backoff until it works or `stop` is set.
+
+    With `lock_timeout` (seconds), each transaction's statements wait at most that
+    long for a lock, then fail with `LockNotAvailable` (the transaction rolls back):
+    for work that may come back later rather than wait behind another session.
     """
 
-    def __init__(self, engine: Engine, role: str, stop: threading.Event) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        role: str,
+        stop: threading.Event,
+        *,
+        lock_timeout: float | None = None,
+    ) -> None:
         self.engine = engine
         self.role = role
         self.stop = stop
+        self._lock_ms = None if lock_timeout is None else str(max(1, round(lock_timeout * 1000)))
         self._conn: Connection | None = None
 
     def run(self, fn: Callable[..., T], *args: Any, single: bool = False) -> T:
         """`fn(conn, *args)` in one transaction on this role's connection (`single`:
-        `fn` runs one hot statement, which commits by itself)."""
+        `fn` runs one hot statement, which commits by itself; no lock timeout)."""
         try:
             with wrap_errors():
                 if self._conn is None:
@@ -78,6 +96,8 @@ class RoleConnection:
                 if single:
                     return _autocommitted(self._conn, fn, *args)
                 with self._conn.begin():
+                    if self._lock_ms is not None:
+                        self._conn.execute(lock_timeout(), {"ms": self._lock_ms})
                     return fn(self._conn, *args)
         except DatabaseUnavailable:
             self._discard()

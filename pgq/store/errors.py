@@ -13,7 +13,7 @@ SQLAlchemy exception type:
 | 42P01 undefined table, 3F000 no schema   | `SchemaMissing`       |
 | 22 data exception                        | `InvalidData`         |
 | 40 serialization failure, deadlock       | `TransactionConflict` |
-| 55P03 lock not available (lock_timeout)  | `TransactionConflict` |
+| 55P03 lock not available (lock_timeout)  | `LockNotAvailable`    |
 | 57014 query cancelled (statement timeout)| `StatementTimeout`    |
 | anything else the driver raises          | `DatabaseError`       |
 
@@ -41,6 +41,7 @@ from pgq.errors import (
     DatabaseError,
     DatabaseUnavailable,
     InvalidData,
+    LockNotAvailable,
     PermissionDenied,
     PgqError,
     SchemaMissing,
@@ -63,7 +64,7 @@ _BY_SQLSTATE: tuple[tuple[str, type[PgqError], str], ...] = (
     ("3F000", SchemaMissing, ""),
     ("22", InvalidData, "the database refused a value"),
     ("40", TransactionConflict, "transaction conflict"),
-    ("55P03", TransactionConflict, "transaction conflict"),  # lock_timeout, NOWAIT
+    ("55P03", LockNotAvailable, "lock not available"),  # lock_timeout, NOWAIT
 )
 
 # What libpq (or psycopg, for `connect_timeout`) says when a connection cannot be

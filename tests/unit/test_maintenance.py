@@ -22,7 +22,7 @@ from pgq.consumer.maintenance import Maintenance
 from pgq.consumer.member import Member
 from pgq.consumer.pool import ClaimPool
 from pgq.consumer.workers import Workers
-from pgq.errors import DatabaseUnavailable
+from pgq.errors import DatabaseUnavailable, LockNotAvailable, TransactionConflict
 from pgq.records import Claimed, Message
 from pgq.settings import Settings
 from pgq.store import GroupStore
@@ -106,6 +106,39 @@ def test_a_failing_task_logs_once_and_the_others_go_on(caplog):
     assert sum("task=flaky" in m and "recovered" in m for m in messages) == 1
     assert sum("task=broken" in m and "failed" in m for m in messages) == 3
     assert all(t.failing == (t.name == "broken") for t in tasks.tasks)
+
+
+def test_a_task_that_loses_a_lock_is_deferred_to_its_next_period_not_refused(caplog):
+    """A housekeeping statement that gave up on a lock (`lock_timeout`): the task is
+    tried again at its next period, the member goes on (no refusal, no traceback)."""
+    clock = Clock()
+    m = member()
+    tasks = Maintenance(m, clock)
+    failures = [LockNotAvailable("lock not available"), TransactionConflict("deadlock"), None]
+    ran: list[str] = []
+
+    def retention() -> None:
+        exc = failures.pop(0)
+        if exc is not None:
+            raise exc
+        ran.append("retention")
+
+    tasks.add("retention", 60.0, retention)
+    with caplog.at_level(logging.INFO, logger="pgq.consumer"):
+        for _ in range(3):
+            assert tasks.run_due() == pytest.approx(60.0)
+            clock.now += 60.0
+    assert ran == ["retention"] and not tasks.tasks[0].failing
+    assert m.refused is None and not m.stopping.is_set()
+    records = [(r.levelno, r.getMessage(), r.exc_info) for r in caplog.records]
+    assert [(level, exc_info) for level, _, exc_info in records] == [
+        (logging.WARNING, None),
+        (logging.INFO, None),
+        (logging.INFO, None),
+    ]
+    assert "task=retention reason=lock_timeout group=g member=me" in records[0][1]
+    assert "reason=conflict" in records[1][1]
+    assert "maintenance task recovered task=retention" in records[2][1]
 
 
 def test_a_task_is_due_again_one_interval_after_it_finished():
