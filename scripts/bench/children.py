@@ -238,7 +238,7 @@ def _consume_config(settings: Any, opts: dict) -> str:
     pf = opts.get("prefetch")
     eff = settings.effective_prefetch
     prefetch = (
-        f"prefetch default ({eff}, 2×workers)"
+        f"prefetch default ({settings.prefetch!r}, from {eff})"
         if pf is None
         else f"prefetch={pf}" + (f" ({eff})" if pf != eff else "")
     )

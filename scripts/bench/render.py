@@ -118,7 +118,7 @@ def _compare_ratios(sy: dict[str, dict], n: int) -> list[str]:
             continue
         p = sy[name]
         parts = []
-        for ref, target in (("pgqueuer-b100", 2.0), ("floor", 0.6), ("floor-2conn", None)):
+        for ref, target in (("pgqueuer-b100", 2.0), ("floor", 0.8), ("floor-2conn", None)):
             if ok(ref):
                 r = p["consume_msgs_s"] / sy[ref]["consume_msgs_s"]
                 t = f", target ≥ {target}" if target else ""
@@ -133,7 +133,7 @@ def _compare_ratios(sy: dict[str, dict], n: int) -> list[str]:
             r = p["enqueue_msgs_s"] / sy[enq_ref]["enqueue_msgs_s"]
             parts.append(
                 f"publish_many {name} / {enq_ref} enqueue = **{r:.2f}**"
-                f"{_paired(p['per_rep_enqueue'], sy[enq_ref]['per_rep_enqueue'])}, target ≥ 1.5"
+                f"{_paired(p['per_rep_enqueue'], sy[enq_ref]['per_rep_enqueue'])}, target ≥ 2.0"
             )
         parts.append(
             f"consumer CPU {name} = **{p['consume_client_cpu_s'] * 1e6 / n:.0f} µs/msg**, target ≤ 12"
@@ -152,7 +152,7 @@ def _compare_ratios(sy: dict[str, dict], n: int) -> list[str]:
             f"- pooled: publish_many (all {len(pgq_enq)} pgq enqueue runs, the same code) / pgqueuer "
             f"enqueue (all {len(pq_enq)} runs of both pgqueuer entries) = "
             f"**{med(pgq_enq) / med(pq_enq):.2f}** (medians {fmt(med(pgq_enq))} / {fmt(med(pq_enq))}), "
-            "target ≥ 1.5"
+            "target ≥ 2.0"
         )
     return L
 
