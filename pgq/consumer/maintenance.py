@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pgq.consumer.member import REFUSALS, Member, Role
-from pgq.errors import DatabaseUnavailable, LockNotAvailable, TransactionConflict
+from pgq.errors import DatabaseUnavailable, LockNotAvailable, PgqError, TransactionConflict
 from pgq.store import RoleConnection
 from pgq.store.group import EXPIRE_BATCH
 from pgq.store.members import forget_departed
@@ -32,6 +32,10 @@ logger = logging.getLogger("pgq.consumer")
 
 EXPIRE_BUDGET = 2.0
 """Seconds one retention pass may spend deleting (it runs every minute)."""
+
+FINAL_RETENTION_MIN = 0.5
+"""Seconds the final pass gives a retention pass the run owes, even when the
+shutdown deadline has passed (handlers overran it)."""
 
 HOUSEKEEPING_LOCK_TIMEOUT = 3.0
 """Seconds a housekeeping statement waits for a lock (`lock_timeout`) before its
@@ -102,6 +106,8 @@ class Maintenance(Role):
         self.vacuum_conn = RoleConnection(member.engine, "vacuum", self.finish)
         self._vacuuming: threading.Thread | None = None
         self.tasks: list[Task] = []
+        self._retention_cut = False
+        """The last retention pass was cut short by the stop."""
 
     def add(self, name: str, interval: float, run: Callable[[], object]) -> None:
         """Schedule `run` every `interval` seconds (first run at once)."""
@@ -178,15 +184,64 @@ class Maintenance(Role):
         self.conn.run(self.member.store.prune_behind)
 
     def expire_messages(self) -> None:
+        """A retention pass on this thread's connection; one that the stop cuts
+        short is the final pass's to run (`retention_owed`)."""
+        self._retention_cut = True  # until the pass completes
+        self._retention_cut = not self.retention_pass(self.conn, self.finish, EXPIRE_BUDGET)
+
+    def retention_pass(self, conn: RoleConnection, stop: threading.Event, budget: float) -> bool:
         """Delete the group's logged probes past retention (one batch), then messages
-        past retention, batch after batch, for up to two seconds."""
+        past retention, batch after batch, for up to `budget` seconds; False when
+        `stop` cut it short."""
         m = self.member
-        self.conn.run(m.store.expire_probes, m.settings.retention)
-        deadline = self.clock() + EXPIRE_BUDGET
-        while not self.finish.is_set() and self.clock() < deadline:
-            deleted = self.conn.run(m.store.expire_messages, m.topic_id, m.settings.retention)
-            if deleted < EXPIRE_BATCH:
-                return
+        conn.run(m.store.expire_probes, m.settings.retention)
+        deadline = self.clock() + budget
+        while self.clock() < deadline:
+            if stop.is_set():
+                return False
+            if conn.run(m.store.expire_messages, m.topic_id, m.settings.retention) < EXPIRE_BATCH:
+                break
+        return True
+
+    def retention_owed(self) -> bool:
+        """Whether the member was due a retention pass that did not complete: the
+        first never ran (a run that drains in milliseconds stops before its first
+        round gets there), one came due since, failed, or the stop cut it short."""
+        task = next((t for t in self.tasks if t.run == self.expire_messages), None)
+        if task is None:
+            return False
+        return self._retention_cut or task.failing or self.clock() >= task.due
+
+    def final_retention(self, left: float) -> None:
+        """Run the retention pass the member owes (`retention_owed`) once this thread
+        is down (DESIGN §7: a last maintenance pass runs before a run returns):
+        prune the done rows behind the frontier, then expire, for the `left`
+        seconds of the shutdown deadline (at least `FINAL_RETENTION_MIN`, at most
+        `EXPIRE_BUDGET`), on a connection whose statements wait for a lock no longer
+        than that. A pass that cannot get its locks in time is skipped with a log
+        line, never waited for; a refusal stops the member as in the thread."""
+        m = self.member
+        if m.refused is not None or not self.retention_owed():
+            return
+        budget = min(EXPIRE_BUDGET, max(FINAL_RETENTION_MIN, left))
+        wait = min(HOUSEKEEPING_LOCK_TIMEOUT, budget)
+        conn = RoleConnection(m.engine, "maintenance", threading.Event(), lock_timeout=wait)
+        try:
+            conn.run(m.store.prune_behind)
+            self.retention_pass(conn, threading.Event(), budget)
+        except REFUSALS as exc:
+            m.refuse("final:retention", exc)
+        except PgqError as exc:
+            reason = "lock_timeout" if isinstance(exc, LockNotAvailable) else "error"
+            logger.warning(
+                "final retention skipped reason=%s group=%s member=%s error=%s",
+                reason,
+                m.store.group,
+                m.name,
+                exc,
+            )
+        finally:
+            conn.close()
 
     def forget_members(self) -> None:
         """Delete the group's members that left or died longer than

@@ -139,18 +139,21 @@ class Runtime:
             and not m.crashed
         )
         try:
-            return self._final_pass()
+            return self._final_pass(deadline)
         finally:
             self.session.release()
             m.engine.dispose()
 
-    def _final_pass(self) -> int:
-        """Advance the frontier, leave the group; return rows waiting for a retry (for
-        a drained run: those the drain left, though some may have come due since)."""
+    def _final_pass(self, deadline: float) -> int:
+        """Advance the frontier, run the retention pass the run was due and did not
+        complete (after the advance: rows just finished count), leave the group;
+        return rows waiting for a retry (for a drained run: those the drain left,
+        though some may have come due since)."""
         m = self.member
         store, ttl = m.store, m.settings.breaker_member_ttl
         try:
             run_once(m.engine, store.advance_frontier)
+            self.maintenance.final_retention(deadline - time.monotonic())
             run_once(m.engine, store.leave)
             waiting = run_once(m.engine, store.drain_state, ttl).waiting_retry
             return waiting if m.drained_waiting is None else m.drained_waiting
