@@ -126,7 +126,7 @@ class Settings:
     batch_size: int = _setting(100, _COUNT)
     """Most rows one claim statement takes."""
     lease: float = _setting(30.0, _DURATION)
-    """Seconds a claimed row stays ours; extended by the maintenance thread while it runs."""
+    """Seconds a claimed row stays ours; extended by the heartbeat thread while it runs."""
     max_attempts: int = _setting(5, _COUNT)
     """Finished attempts after which a failing message is dead."""
     max_reclaims: int = _setting(3, _COUNT0)
