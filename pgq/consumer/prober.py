@@ -149,6 +149,11 @@ class Prober(Role):
                 continue
             outcome = self._probe(view.epoch)
             if outcome is None:  # not due after all, or nothing at all to probe with
+                closed = self.conn.run(m.store.close_idle, view.epoch, s.breaker_max_refunds)
+                if closed is not None:  # nothing left to probe: the OPEN holds nothing back
+                    logger.info("group breaker closed with nothing left to probe epoch=%d", closed)
+                    self.gate.see_group("CLOSED", closed)
+                    continue
                 if self.one_shot:
                     m.request_stop("breaker_open")
                     return True
@@ -233,7 +238,7 @@ class Prober(Role):
                     written, _ = self.conn.retrying(m.store.probe_done, row)
                     self.conn.retrying(m.store.probe_again, epoch, 0.0, "succeeded", row.id)
             else:
-                written = row.lease in self.conn.retrying(m.store.record, [outcome])
+                written = self.conn.retrying(m.store.record_probe, outcome, s.max_attempts)
         finally:
             m.let_go([row.lease])
         m.count_outcome(outcome, pending=False)

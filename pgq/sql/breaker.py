@@ -283,6 +283,51 @@ def close() -> Executable:
     )
 
 
+@cache
+def close_idle() -> Executable:
+    """Close `:gid` if it is OPEN at `:at_epoch`, no probe is in flight (the probe time
+    has come) and no row of the group is a probe candidate of any kind (`probe_candidate`,
+    locked or not): an outage with nothing left to probe holds nothing back (decision
+    0026). Unlike a probe's close it owes no reconciliation (no probe showed the
+    dependency working, DESIGN §6.7); one still owed by an earlier close stays owed.
+    Returns the new (close) epoch, nothing when a candidate exists or the group moved on.
+    """
+    due = func.coalesce(br.c.next_probe_at <= func.now(), True)
+    candidate = (
+        select(d.c.message_id).where(d.c.group_id == bindparam("gid"), probe_candidate()).exists()
+    )
+    flipped = (
+        update(br)
+        .where(_open_at_epoch(), due, ~candidate)
+        .values(
+            state=t.CLOSED,
+            epoch=br.c.epoch + 1,
+            since=func.now(),
+            next_probe_at=None,
+            probe_failures=0,
+            prober=None,
+        )
+        .returning(br.c.group_id, br.c.epoch)
+        .cte("flipped")
+    )
+    return _recorded(flipped, t.CLOSED)
+
+
+def probe_candidate() -> ColumnElement[bool]:
+    """The row is a probe candidate of one of the `PROBE_KINDS` (probed in this outage
+    or not): ready and due now, a systemic retry, or dead with the outage's charges
+    and refunded fewer than `:max_refunds` times."""
+    ready = and_(
+        d.c.state == t.READY, or_(d.c.available_at <= func.now(), d.c.error_class == t.SYSTEMIC)
+    )
+    dead = and_(
+        d.c.state == t.DEAD,
+        carries_charges(),
+        d.c.refunds < bindparam("max_refunds", type_=Integer),
+    )
+    return or_(ready, dead)
+
+
 PROBE_KINDS = ("due", "retry", "dead")
 """The kinds of probe row, in the order they are tried (DESIGN §6.4): a ready row due
 now, else the ready row whose systemic retry is due soonest (only those may be probed
@@ -477,6 +522,32 @@ def probe_charges() -> Executable:
         select(d.c.refundable_attempts + d.c.refundable_reclaims > 0)
         .where(_probe_lease())
         .with_for_update()
+    )
+
+
+@cache
+def probe_failed_dead() -> Executable:
+    """The probe on lease `:id`/`:seq` of a row that was dead at its last attempt failed
+    systemically (at the OPEN epoch `:at_epoch`, error `:error`): it stays dead and is
+    charged no attempt (it has had its attempts; the probe asked about the dependency),
+    so its attempts never pass `max_attempts` however long the outage. A row a close
+    had refunded before failed again after a probe showed the dependency working: for
+    it the failed revival counts toward the refund cap (`refunds` + 1), so one
+    misclassified poison row cannot be every probe for good (decision 0026)."""
+    return (
+        update(d)
+        .where(_probe_lease())
+        .values(
+            state=t.DEAD,
+            error_class=t.SYSTEMIC,
+            last_error=bindparam("error", type_=Text),
+            error_epoch=bindparam("at_epoch", type_=Integer),
+            refunds=d.c.refunds + case((d.c.refunds > 0, 1), else_=0),
+            lease_owner=None,
+            lease_expires_at=None,
+            updated_at=func.now(),
+        )
+        .returning(d.c.message_id)
     )
 
 

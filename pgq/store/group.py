@@ -286,6 +286,24 @@ class GroupStore:
         written, refunded = self.probe_done(conn, row)
         return written, self.close(conn, epoch, refunded, row.id)
 
+    def record_probe(self, conn: Connection, outcome: Outcome, max_attempts: int) -> bool:
+        """Write a group probe's failure (or snooze); True when written. A systemic
+        failure of a row that was dead at `max_attempts` stays dead without another
+        attempt charged, and spends a refund if a close had refunded the row before
+        (`breaker_sql.probe_failed_dead`); any other outcome is written like a worker's."""
+        row = outcome.claimed
+        if outcome.error_class != "systemic" or row.attempts < max_attempts:
+            return row.lease in self.record(conn, [outcome])
+        params = {
+            "gid": self.gid,
+            "id": row.id,
+            "seq": row.seq,
+            "member": self.member,
+            "at_epoch": row.epoch,
+            "error": clean_text(outcome.error),
+        }
+        return conn.execute(breaker_sql.probe_failed_dead(), params).first() is not None
+
     def _claimed(self, rows: Iterable[Any], epoch: int, probe: bool = False) -> list[Claimed]:
         """The claimed rows as `Claimed`, filed under the later of `epoch` (what the
         caller's gate knows) and the epoch the claim saw in the database."""
@@ -511,6 +529,17 @@ class GroupStore:
             "probe_id": message_id,
         }
         return conn.execute(breaker_sql.close(), params).scalar()
+
+    def close_idle(self, conn: Connection, epoch: int, max_refunds: int) -> int | None:
+        """Close the group if still OPEN at `epoch`, its probe time has come and no row is
+        a probe candidate; returns the close epoch (no reconciliation owed for it)."""
+        params = {
+            "gid": self.gid,
+            "at_epoch": epoch,
+            "member": self.member,
+            "max_refunds": max_refunds,
+        }
+        return conn.execute(breaker_sql.close_idle(), params).scalar()
 
     def reconcile_batch(
         self, conn: Connection, close_epoch: int, from_epoch: int, max_refunds: int, limit: int

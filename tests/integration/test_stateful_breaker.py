@@ -1088,6 +1088,17 @@ class BreakerMachine(RuleBasedStateMachine):
         if not slot or first is None:
             assert row is None, f"probe claimed m{row and row.id} (slot {slot}, none to probe)"
             note("no probe: slot taken" if not slot else "no probe: nothing to probe with")
+            with self._tx() as conn:  # `Prober._lead`: nothing left to probe closes
+                closed = proc.store.close_idle(conn, epoch, MAX_REFUNDS)
+            if slot and first is None:
+                assert closed == epoch + 1, f"no idle close at {epoch}: {closed}"
+                b = self.brk
+                b.state, b.epoch, b.probe_due, b.failures = "CLOSED", epoch + 1, True, 0
+                self.history.append([b.epoch, "CLOSED", 0])
+                self.poison_probes = 0
+                note("closed with nothing left to probe")
+            else:
+                assert closed is None, f"closed at {closed} with a probe in flight"
             return
         assert row is not None, f"no probe claimed; candidates {classes}"
         cls = classes[first]
@@ -1135,9 +1146,16 @@ class BreakerMachine(RuleBasedStateMachine):
             return
         out = self._outcome(held, result, delay)
         with self._tx() as conn:
-            applied = proc.store.record(conn, [out])
-        assert applied == ({held.lease} if current else set())
-        if current:
+            written = proc.store.record_probe(conn, out, MAX_ATTEMPTS)
+        assert written is current
+        if current and out.error_class == "systemic" and held.claimed.attempts >= MAX_ATTEMPTS:
+            # a dead row's failed probe: no attempt, a refund spent if it had one before
+            row.owner, row.expired, row.probe_of = None, False, None
+            row.state, row.future, row.scheduled = "dead", False, False
+            row.error_class, row.error_epoch = "systemic", held.claimed.epoch
+            row.refunds += int(row.refunds > 0)
+            note("failed probe of a dead row" + (" (a refund spent)" if row.refunds > 1 else ""))
+        elif current:
             self._applied(held, out)
         note(f"probe {out.kind} {out.error_class or ''}{'' if current else ' (refused)'}")
         b = self.brk
