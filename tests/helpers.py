@@ -85,15 +85,22 @@ def wait_until(
 
 
 def waiting_on(engine: Engine, pid: int, query_like: str = "%") -> list[int]:
-    """The backends waiting for a lock that backend `pid` holds, whose statement is
-    `LIKE query_like`: to wait until a statement is stuck behind a test's lock."""
+    """The backends waiting for a lock that backend `pid` holds, directly or behind
+    another waiter (a row's second waiter waits on the first one's tuple lock), whose
+    statement is `LIKE query_like`: to wait until a statement is stuck behind a
+    test's lock."""
     from sqlalchemy import text
 
     with engine.connect() as conn:
         found = conn.execute(
             text(
-                "SELECT pid FROM pg_stat_activity"
-                " WHERE CAST(:pid AS int) = ANY(pg_blocking_pids(pid)) AND query LIKE :like"
+                "WITH RECURSIVE behind(pid) AS ("
+                " SELECT pid FROM pg_stat_activity"
+                " WHERE CAST(:pid AS int) = ANY(pg_blocking_pids(pid))"
+                " UNION SELECT a.pid FROM pg_stat_activity a"
+                " JOIN behind b ON b.pid = ANY(pg_blocking_pids(a.pid)))"
+                " SELECT a.pid FROM pg_stat_activity a JOIN behind USING (pid)"
+                " WHERE a.query LIKE :like"
             ),
             {"pid": pid, "like": query_like},
         ).scalars()
