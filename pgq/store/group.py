@@ -747,12 +747,24 @@ class GroupStore:
 
     def drain_state(self, conn: Connection, ttl: float, wait: float = 0.0) -> DrainState:
         """Rows ready now, waiting for retry (and of those, due within `wait` seconds),
-        and leased by us or by members that are not live."""
-        params = {
-            **lock_holders(conn, self.gid, "", ttl=ttl),
-            "gid": self.gid,
-            "member": self.member,
-            "ttl": dt.timedelta(seconds=ttl),
-            "wait": dt.timedelta(seconds=wait),
-        }
-        return DrainState(**conn.execute(member_sql.drain_state(), params).mappings().one())
+        and leased by us or by members that are not live.
+
+        Liveness is read apart from the statement (`lock_holders`), so the holders
+        are read again after it, and the statement runs again with them until both
+        reads agree: a member killed between the first read and the statement would
+        count as live, and a drain would end with its rows still leased (as the
+        quorum open does, `open_on_quorum`)."""
+        holders = lock_holders(conn, self.gid, "", ttl=ttl)
+        while True:
+            params = {
+                **holders,
+                "gid": self.gid,
+                "member": self.member,
+                "ttl": dt.timedelta(seconds=ttl),
+                "wait": dt.timedelta(seconds=wait),
+            }
+            state = DrainState(**conn.execute(member_sql.drain_state(), params).mappings().one())
+            after = lock_holders(conn, self.gid, "", ttl=ttl)
+            if _holders(after) == _holders(holders):
+                return state
+            holders = after

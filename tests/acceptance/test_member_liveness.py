@@ -10,9 +10,19 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 
-from helpers import consumer_env, finish, pin_frontier, read_ids, rows, spawn_pgq, wait_until
+from helpers import (
+    FAST,
+    consumer_env,
+    finish,
+    pin_frontier,
+    read_ids,
+    rows,
+    spawn_pgq,
+    wait_until,
+)
 
 import pgq
 
@@ -172,3 +182,46 @@ def test_a_paused_member_whose_name_was_taken_over_stops_when_it_resumes(
     wait_until(lambda: read_ids(tmp_path, "handled", "b"), 10, "b to handle a message")
     b.send_signal(signal.SIGTERM)
     assert finish(b, 15)[0] == 0
+
+
+def test_until_empty_sees_a_member_killed_between_its_reads_as_gone(
+    orders, pgq_env, tmp_path, procs, monkeypatch
+):
+    """The drain reads who holds a lock, then counts what is left: a member `kill -9`ed
+    between the two counted as live, and the run ended `empty` with the victim's rows
+    still leased. Here the kill falls exactly there (after the drain's read of the
+    holders); the run must wait for the victim's leases to end and finish its rows."""
+    from pgq.store import group as group_store
+
+    pin_frontier(orders, "orders")  # keep the done rows readable
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(4)])
+    a = member(pgq_env, tmp_path, "a", "--handler", "handlers:gated", "--workers", "4")
+    procs.append(a)
+    wait_until(lambda: len(read_ids(tmp_path, "started")) == 4, 15, "a to start 4 handlers")
+    real = group_store.lock_holders
+    killed: list[int] = []
+
+    def holders_then_kill(conn, gid, purpose, **bounds):
+        found = real(conn, gid, purpose, **bounds)
+        draining = sys._getframe(1).f_code.co_name == "drain_state"
+        if draining and not killed:
+            os.kill(a.pid, signal.SIGKILL)
+            a.wait(10)
+            killed.append(a.pid)
+            before = len(found["present_names"])
+            wait_until(
+                lambda: len(real(conn, gid, purpose, **bounds)["present_names"]) < before,
+                15,
+                "a's session lock to go with it",
+            )
+        return found
+
+    monkeypatch.setattr(group_store, "lock_holders", holders_then_kill)
+    handled: list[int] = []
+    consumer = pgq.Consumer(orders, "billing", lambda m: handled.append(m.id), **FAST)
+    summary = consumer.run(until_empty=True, max_runtime=60)
+    assert killed, "the drain never read the holders"
+    assert summary.stop_reason == "empty", summary
+    assert sorted(handled) == ids  # a's rows, once their leases ended
+    found = rows(orders, "billing")
+    assert all(found[mid].state == "done" and found[mid].reclaims == 1 for mid in ids)
