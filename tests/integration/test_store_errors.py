@@ -44,6 +44,7 @@ from pgq.errors import (
     DatabaseUnavailable,
     InvalidData,
     InvalidPayload,
+    LockNotAvailable,
     PermissionDenied,
     PgqError,
     SchemaMissing,
@@ -492,7 +493,9 @@ def test_a_serialization_failure_is_a_transaction_conflict(engine, pair):
     ids=["lock-timeout", "nowait"],
 )
 def test_a_lock_not_available_is_a_transaction_conflict(engine, pair, setting, statement, words):
-    """55P03 (was `DatabaseUnavailable`: "cannot reach the database", and retried)."""
+    """55P03 (was `DatabaseUnavailable`: "cannot reach the database", and retried):
+    `LockNotAvailable`, a transaction conflict (57c2666 named it so housekeeping
+    can tell it apart)."""
 
     def run() -> None:
         with engine.begin() as conn:
@@ -502,8 +505,9 @@ def test_a_lock_not_available_is_a_transaction_conflict(engine, pair, setting, s
     with engine.connect() as holder:
         holder.begin()
         holder.execute(text(f"UPDATE {pair} SET n = n + 1 WHERE id = 1"))
-        err = expect(TransactionConflict, run)
+        err = expect(LockNotAvailable, run)
         holder.rollback()
+    assert isinstance(err, TransactionConflict)
     assert words in str(err)
 
 
