@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from helpers import consumer_env, finish, spawn_pgq
+from helpers import consumer_env, finish, reap, spawn_pgq
 from sqlalchemy import Engine
 
 import pgq
@@ -91,9 +91,6 @@ def consume_processes(
         yield group
     finally:
         for proc in group.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)  # a paused member dies too
-                proc.kill()
-                proc.communicate()
+            reap(proc)  # a paused member dies too; an exited one's pipes are closed
         for log in sorted(out.glob("*.log")):
             print(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-tail:]))
