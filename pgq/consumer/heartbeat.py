@@ -26,11 +26,17 @@ from pgq.consumer.gate import Gate
 from pgq.consumer.maintenance import Task, run_task
 from pgq.consumer.member import Member, Role
 from pgq.consumer.prober import Prober
-from pgq.errors import DatabaseUnavailable
+from pgq.errors import DatabaseUnavailable, LockNotAvailable, TransactionConflict
 from pgq.records import BreakerView
 from pgq.store import LostLock, RoleConnection, SessionLock
 
 logger = logging.getLogger("pgq.breaker")
+
+HEARTBEAT_LOCK_TIMEOUT_MAX = 1.0
+"""Longest a heartbeat statement waits for a lock (`lock_timeout`), and at most a
+tenth of the lease: a quorum flip that meets a held breaker row or flip lock (a
+purge, a stopped member mid-flip) gives up and is tried at the next beat, and the
+lease extension on this thread never falls a whole period behind (decision 0025)."""
 
 
 class Heartbeat(Role):
@@ -49,7 +55,12 @@ class Heartbeat(Role):
         self.clock = clock
         self.finish = threading.Event()
         self._poked = threading.Event()
-        self.conn = RoleConnection(member.engine, "heartbeat", self.finish)
+        self.conn = RoleConnection(
+            member.engine,
+            "heartbeat",
+            self.finish,
+            lock_timeout=min(HEARTBEAT_LOCK_TIMEOUT_MAX, member.settings.lease / 10),
+        )
         self.prober: Prober | None = None
         self._failing = False
         self.extension = Task(
@@ -104,6 +115,18 @@ class Heartbeat(Role):
         except DatabaseUnavailable as exc:
             if not self._failing:
                 logger.warning("heartbeat failed error=%s", exc)
+            self._failing = True
+            return
+        except TransactionConflict as exc:  # a lock held too long, a deadlock: next beat
+            reason = "lock_timeout" if isinstance(exc, LockNotAvailable) else "conflict"
+            logger.log(
+                logging.INFO if self._failing else logging.WARNING,
+                "heartbeat deferred reason=%s group=%s member=%s error=%s",
+                reason,
+                self.member.store.group,
+                self.member.name,
+                exc,
+            )
             self._failing = True
             return
         if self._failing:

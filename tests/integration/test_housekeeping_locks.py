@@ -184,3 +184,73 @@ def test_a_housekeeping_statement_gives_up_on_a_held_lock(engine: Engine) -> Non
         assert role.run(store.expire_messages, topic_id, 60.0) == 0  # free: it runs
     finally:
         role.close()
+
+
+def test_leases_are_extended_while_the_quorum_flip_meets_a_held_breaker_row(
+    engine: Engine, schema: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The heartbeat also extends the leases (above), so none of its statements may
+    wait long: a member whose local breaker tripped tries the quorum flip at every
+    beat, and a session holding the group's breaker row (a purge, a member stopped
+    mid-flip) made that flip wait with no limit. Before: its two running handlers
+    (three leases long) lost their leases and another member would run them again.
+    Now the flip gives up after its lock timeout and is tried at the next beat."""
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    slow = pgq.publish_many(engine, "t", [{"sleep": True}] * 2)
+    pgq.publish_many(engine, "t", [{"poison": True}] * 6)
+    runs: Counter[int] = Counter()
+    lock = threading.Lock()
+    release = threading.Event()
+
+    def handler(msg: pgq.Message) -> None:
+        with lock:
+            runs[msg.id] += 1
+        if msg.payload.get("poison"):
+            raise ConnectionError("the dependency is down")  # systemic: trips the member
+        assert release.wait(60)
+
+    settings = {
+        **FAST,
+        "lease": LEASE,
+        "breaker_min_members": 1,  # a local trip is a group trip: the heartbeat flips
+        "breaker_window": 4,
+        "breaker_min_calls": 2,
+        "retry_backoff": 5.0,
+    }
+    member = pgq.Consumer(engine, "g", handler, name="m1", **settings)  # type: ignore[arg-type]
+    caplog.set_level(logging.INFO, logger="pgq.breaker")
+    holder = engine.connect()
+    holding = holder.begin()
+    try:
+        holder.execute(select(t.breaker).with_for_update())
+        holder_pid = holder.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+        member.start()
+        wait_until(
+            lambda: all(runs[mid] for mid in slow) and "heartbeat deferred" in caplog.text,
+            30,
+            "the slow handlers to run and the quorum flip to meet the held row",
+            describe=lambda: (dict(runs), blocked_by(engine, holder_pid, "%breaker%")),
+        )
+        deadline = time.monotonic() + HOLD
+        while time.monotonic() < deadline:  # the breaker row stays held meanwhile
+            found = rows(engine, "g")
+            assert all(found[mid].state == "leased" for mid in slow), found
+            with engine.connect() as conn:
+                expired = conn.execute(
+                    select(func.count())
+                    .select_from(t.delivery)
+                    .where(
+                        t.delivery.c.message_id.in_(slow),
+                        t.delivery.c.lease_expires_at < func.now(),
+                    )
+                ).scalar_one()
+            assert expired == 0, "a lease expired while the flip met the held row"
+            time.sleep(0.1)  # a sampling period, not a wait for an event
+    finally:
+        holding.rollback()
+        holder.close()
+        release.set()
+    summary = member.stop(timeout=30)
+    assert summary.reclaimed == 0, summary
+    assert [runs[mid] for mid in slow] == [1, 1]
