@@ -309,12 +309,18 @@ def drain_state() -> Executable:
 
     Returns (ready now, waiting for a later retry, of those the ones due within
     `:wait`, leased by this member or by members that are not live — rows whose
-    leases must expire and be reclaimed — and whether a close still owes a
+    leases must expire and be reclaimed; a row leased before its owner's name was
+    taken over counts as its silent holder's — and whether a close still owes a
     reconciliation: the group is not empty until its refunds are made).
     """
-    holder_live = (
-        select(mb.c.name)
-        .where(mb.c.group_id == bindparam("gid"), mb.c.name == d.c.lease_owner, _live())
+    holder_live = (  # a row leased before the name's holder started is a silent
+        select(mb.c.name)  # process's: one killed, whose name a restart took over
+        .where(
+            mb.c.group_id == bindparam("gid"),
+            mb.c.name == d.c.lease_owner,
+            mb.c.started_at <= d.c.updated_at,
+            _live(),
+        )
         .exists()
     )
     ready = d.c.state == t.READY

@@ -23,8 +23,10 @@ from helpers import (
     spawn_pgq,
     wait_until,
 )
+from sqlalchemy import select
 
 import pgq
+from pgq import schema as t
 
 ENV = {"PGQ_LEASE": "2.0", "PGQ_BREAKER_HEARTBEAT": "0.2", "PGQ_POLL_INTERVAL": "0.1"}
 """Short leases and heartbeats; `member_ttl` stays at its default, 10 s."""
@@ -225,3 +227,47 @@ def test_until_empty_sees_a_member_killed_between_its_reads_as_gone(
     assert sorted(handled) == ids  # a's rows, once their leases ended
     found = rows(orders, "billing")
     assert all(found[mid].state == "done" and found[mid].reclaims == 1 for mid in ids)
+
+
+def test_until_empty_sees_leases_of_a_killed_process_whose_name_a_restart_took(
+    orders, pgq_env, tmp_path, procs
+):
+    """Service `svc` is `kill -9`ed holding leases and restarted under its name (a
+    restarted service keeps its name): the new process holds none of the old one's
+    leases. Before: a cron run counted them as the live `svc`'s and ended `empty`
+    with them still leased by the dead process (found by attack)."""
+    pin_frontier(orders, "orders")
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(2)])
+    long_lease = consumer_env(pgq_env, tmp_path, TESTQ_TAG="a", **{**ENV, "PGQ_LEASE": "12"})
+    first = spawn_pgq(
+        long_lease, "consume", "billing", "--handler", "handlers:gated", "--name", "svc"
+    )
+    procs.append(first)
+    wait_until(lambda: len(read_ids(tmp_path, "started")) == 2, 15, "svc to start both")
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait(10)
+
+    def svc_live() -> bool:
+        return [m["live"] for m in pgq.status(orders, "billing")["members"]] == [True]
+
+    wait_until(lambda: not svc_live(), 15, "the killed svc to stop counting")
+    again = member(pgq_env, tmp_path, "b", "--handler", "handlers:gated", "--name", "svc")
+    procs.append(again)
+    wait_until(svc_live, 15, "the restarted svc to take its name over")
+    with orders.connect() as conn:
+        started = conn.execute(
+            select(t.member.c.started_at).where(t.member.c.name == "svc")
+        ).scalar_one()
+
+    cron = member(pgq_env, tmp_path, "c", "--handler", "handlers:record", "--until-empty")
+    procs.append(cron)
+    code, _, stderr = finish(cron, 30)
+    assert code == 0, stderr
+    assert summary_of(stderr)["stop_reason"] == "empty"
+    found = rows(orders, "billing")
+    stranded = [
+        mid
+        for mid in ids
+        if found[mid].state == "leased" and found[mid].updated_at < started  # the dead one's
+    ]
+    assert not stranded, {mid: found[mid] for mid in ids}
