@@ -155,7 +155,7 @@ def test_show_a_done_row_the_frontier_pruned(orders, pgq_env):
     ids = publish(orders, 3)
     summary = pgq.Consumer(orders, GROUP, lambda m: None, workers=1, **FAST).run(until_empty=True)
     assert summary.done == 3
-    wait_for_frontier(orders, GROUP, ids[-1])
+    wait_for_frontier(orders, GROUP, ids[-1], advance=True)
     assert rows(orders, GROUP) == {}  # pruned
     info = monitor.message(orders, GROUP, ids[1])
     assert (info["state"], info["row"], info["behind_frontier"]) == ("done", "pruned", True)
@@ -420,7 +420,7 @@ def test_after_a_purge_the_group_drains_the_frontier_passes_and_retention_delete
     more = publish(orders, 2)
     summary = pgq.Consumer(orders, GROUP, handle, workers=2, **FAST).run(until_empty=True)
     assert (summary.done, summary.dead, summary.stop_reason) == (3, 0, "empty")
-    wait_for_frontier(orders, GROUP, more[-1])
+    wait_for_frontier(orders, GROUP, more[-1], advance=True)
     status = pgq.status(orders, GROUP)
     assert status["counts"] == {"ready": 0, "leased": 0, "done": 6, "dead": 0, "dead_systemic": 0}
     assert rows(orders, GROUP) == {}  # every done row pruned
