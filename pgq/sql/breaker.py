@@ -236,6 +236,19 @@ def probe_again(logged: bool = False) -> Executable:
     return select(moved.c.probe_failures).add_cte(logged_cte)
 
 
+def _closed() -> dict[str, Any]:
+    """What every close writes to the breaker row: CLOSED under the next epoch, no
+    probe pending, no prober."""
+    return {
+        "state": t.CLOSED,
+        "epoch": br.c.epoch + 1,
+        "since": func.now(),
+        "next_probe_at": None,
+        "probe_failures": 0,
+        "prober": None,
+    }
+
+
 @cache
 def close() -> Executable:
     """Close `:gid` if it is still OPEN at `:at_epoch`; owe a reconciliation for the new epoch.
@@ -247,12 +260,7 @@ def close() -> Executable:
         update(br)
         .where(_open_at_epoch())
         .values(
-            state=t.CLOSED,
-            epoch=br.c.epoch + 1,
-            since=func.now(),
-            next_probe_at=None,
-            probe_failures=0,
-            prober=None,
+            **_closed(),
             reconcile_epoch=br.c.epoch + 1,
             # rows that failed since the previous close (epoch - 1) are refunded, and
             # whatever an unfinished earlier reconciliation still owed
@@ -299,14 +307,7 @@ def close_idle() -> Executable:
     flipped = (
         update(br)
         .where(_open_at_epoch(), due, ~candidate)
-        .values(
-            state=t.CLOSED,
-            epoch=br.c.epoch + 1,
-            since=func.now(),
-            next_probe_at=None,
-            probe_failures=0,
-            prober=None,
-        )
+        .values(**_closed())
         .returning(br.c.group_id, br.c.epoch)
         .cte("flipped")
     )
