@@ -37,6 +37,24 @@ HOLD = 4 * LEASE
 MESSAGES = 4
 
 
+class Held:
+    """A handler that counts each message's runs and holds it until `release` is set
+    (several leases); with `poison`, messages whose payload says so fail as systemic."""
+
+    def __init__(self, *, poison: bool = False) -> None:
+        self.runs: Counter[int] = Counter()
+        self.release = threading.Event()
+        self.poison = poison
+        self._lock = threading.Lock()
+
+    def __call__(self, msg: pgq.Message) -> None:
+        with self._lock:
+            self.runs[msg.id] += 1
+        if self.poison and msg.payload.get("poison"):
+            raise ConnectionError("the dependency is down")  # systemic: trips the member
+        assert self.release.wait(60)
+
+
 def topic_messages(engine: Engine, topic: str) -> int:
     """How many messages `topic` still holds."""
     m, tp = t.message, t.topic
@@ -77,14 +95,8 @@ def test_leases_are_extended_while_retention_waits_for_a_callers_subscribe(
             .values(created_at=func.now() - text("interval '1 hour'"))
         )
 
-    runs: Counter[int] = Counter()
-    lock = threading.Lock()
-    release = threading.Event()
-
-    def handler(msg: pgq.Message) -> None:
-        with lock:
-            runs[msg.id] += 1
-        assert release.wait(60)  # runs for several leases
+    held = Held()
+    runs, release, handler = held.runs, held.release, held
 
     expire = GroupStore.expire_messages
     m2_expired = threading.Event()
@@ -199,16 +211,8 @@ def test_leases_are_extended_while_the_quorum_flip_meets_a_held_breaker_row(
     pgq.subscribe(engine, "g", "t")
     slow = pgq.publish_many(engine, "t", [{"sleep": True}] * 2)
     pgq.publish_many(engine, "t", [{"poison": True}] * 6)
-    runs: Counter[int] = Counter()
-    lock = threading.Lock()
-    release = threading.Event()
-
-    def handler(msg: pgq.Message) -> None:
-        with lock:
-            runs[msg.id] += 1
-        if msg.payload.get("poison"):
-            raise ConnectionError("the dependency is down")  # systemic: trips the member
-        assert release.wait(60)
+    held = Held(poison=True)
+    runs, release, handler = held.runs, held.release, held
 
     settings = {
         **FAST,
