@@ -103,12 +103,24 @@ def web(engine: Engine) -> Iterator[WebServer]:
 
 
 def text_of(driver, css: str) -> str | None:
-    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    """The element's text, or None while it is not there. A page that navigates
+    between finding the element and reading it (a login's redirect, a refresh) is
+    not there yet: Chromium says so either as a stale element or as an inspector
+    error that the node left the document."""
+    from selenium.common.exceptions import (
+        NoSuchElementException,
+        StaleElementReferenceException,
+        WebDriverException,
+    )
 
     try:
         return driver.find_element("css selector", css).text
     except (NoSuchElementException, StaleElementReferenceException):
         return None
+    except WebDriverException as exc:
+        if "does not belong to the document" in str(exc.msg):
+            return None
+        raise
 
 
 def console(driver) -> list[str]:
