@@ -10,5 +10,6 @@ pytest_plugins = [
     "fixtures.cli",
     "fixtures.database",
     "fixtures.groups",
+    "fixtures.pgbouncer",
     "fixtures.processes",
 ]
