@@ -61,7 +61,7 @@ class Acker(Role):
 
     def work(self) -> None:
         m = self.member
-        conn = RoleConnection(m.engine, "acker", m.halt)
+        conn = RoleConnection(m.links.work, "acker", m.halt)
         batch_size = m.settings.batch_size
         pending: list[Outcome] = []
         try:

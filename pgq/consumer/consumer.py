@@ -10,11 +10,12 @@ import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from pgq.classify import make_classifier
 from pgq.consumer.gate import Gate
@@ -28,11 +29,12 @@ from pgq.records import BreakerView, GroupInfo, Message, RunSummary, StopReason
 from pgq.settings import ADAPTIVE, Settings, load_settings
 from pgq.store import (
     GroupStore,
+    MemberLinks,
+    RoleConnection,
     SessionLock,
     group_info,
-    member_engine,
+    member_links,
     member_lock,
-    run_once,
 )
 from pgq.store.privileges import require_consumer_privileges
 
@@ -42,11 +44,6 @@ T = TypeVar("T")
 
 MAX_WAIT_RETRIES = 30 * 86400.0
 """The longest `wait_retries`: 30 days, like the longest snooze."""
-
-CONNECTIONS = 7
-"""The member's own pool: fetcher, acker, heartbeat, maintenance, prober, and
-short ones (the final pass, an abort). LISTEN and the session locks use
-connections of their own outside the pool."""
 
 IDLE_IN_TRANSACTION_MIN = 5.0
 """The least `idle_in_transaction_session_timeout` of a member's sessions (the
@@ -182,20 +179,26 @@ class Consumer:
         if not 0 <= wait_retries <= MAX_WAIT_RETRIES:  # NaN fails too
             raise UsageError("wait_retries must be from 0 to 30 days (in seconds)")
         s = self.settings
-        info = self._group_info(until_empty)
-        if info is None:
-            return
-        engine = member_engine(
+        links = member_links(
             self.engine,
+            self.group,
+            self.name,
             idle_in_transaction=max(IDLE_IN_TRANSACTION_MIN, s.lease),
-            connections=CONNECTIONS,
         )
+        try:
+            info = self._group_info(links, until_empty)
+        except BaseException:
+            links.close()
+            raise
+        if info is None:
+            links.close()
+            return
         store = GroupStore(
             *(info.id, self.group, info.topic, self.name, s.lease, s.max_reclaims),
             topic_id=info.topic_id,
         )
         member = Member(
-            engine=engine,
+            links=links,
             settings=s,
             store=store,
             handling=self.handling,
@@ -205,16 +208,16 @@ class Consumer:
             max_messages=max_messages,
             wait_retries=wait_retries,
         )
-        session = member_lock(engine, info.id, self.name)
+        session = member_lock(links.session, info.id, self.name)
         try:
-            joined = self._at_start(until_empty, lambda: self._join(engine, store, session))
+            joined = self._at_start(until_empty, lambda: self._join(links, store, session))
         except BaseException:
             session.release()
-            engine.dispose()
+            links.close()
             raise
         if joined is None:  # asked to stop while joining
             session.release()
-            engine.dispose()
+            links.close()
             return
         gate = Gate(s, self.clock)
         view = joined
@@ -312,17 +315,18 @@ class Consumer:
             )
         return self._summary
 
-    def _group_info(self, until_empty: bool) -> GroupInfo | None:
+    def _group_info(self, links: MemberLinks, until_empty: bool) -> GroupInfo | None:
         """The group, once the role is known to have every privilege a member needs
         (else `PermissionDenied` naming them); None if asked to stop."""
+        work = RoleConnection(links.work, "join", threading.Event())
 
-        def read() -> GroupInfo:
-            run_once(self.engine, require_consumer_privileges)
-            return group_info(self.engine, self.group)
+        def read(conn: Connection) -> GroupInfo:
+            require_consumer_privileges(conn)
+            return group_info(conn, self.group)
 
-        return self._at_start(until_empty, read)
+        return self._at_start(until_empty, lambda: work.run(read))
 
-    def _join(self, engine: Engine, store: GroupStore, session: SessionLock) -> BreakerView:
+    def _join(self, links: MemberLinks, store: GroupStore, session: SessionLock) -> BreakerView:
         """Take the member's session lock, register it and read the group's breaker.
 
         A try cut short by the database going away starts again from a new session:
@@ -332,7 +336,8 @@ class Consumer:
         s = self.settings
         try:
             held = session.acquire()
-            if not run_once(engine, store.join, s.breaker_member_ttl, held):
+            work = RoleConnection(links.work, "join", threading.Event())
+            if not work.run(store.join, s.breaker_member_ttl, held):
                 raise DuplicateMember(
                     f"a live member named {self.name!r} is already running in group {self.group!r}"
                 )
@@ -342,9 +347,10 @@ class Consumer:
                     " lock follows once that session ends",
                     self.name,
                 )
-            return run_once(engine, store.breaker)
+            return work.run(store.breaker)
         except DatabaseUnavailable:
             session.release()
+            links.session.discard()
             raise
 
     def _at_start(self, until_empty: bool, step: Callable[[], T]) -> T | None:

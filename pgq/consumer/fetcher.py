@@ -3,7 +3,7 @@
 It claims only what the pool has room for (never more than `prefetch`
 unstarted rows, at most `batch_size` per statement) and, when the group has
 nothing ready, waits on LISTEN for a publisher's NOTIFY with a poll fallback.
-It also hands back, on its own connection, the rows no worker started: when
+It also hands back, on the claims connection, the rows no worker started: when
 a gate closes, and when the member stops.
 """
 
@@ -36,8 +36,8 @@ class Fetcher(Role):
     def __init__(self, member: Member, gate: Gate) -> None:
         super().__init__(member, f"pgq-fetcher-{member.store.group}")
         self.gate = gate
-        self.conn = RoleConnection(member.engine, "fetcher", member.stop_claiming)
-        self.listener = Listener(member.engine, member.store.topic)
+        self.conn = RoleConnection(member.links.claims, "fetcher", member.stop_claiming)
+        self.listener = Listener(member.links.session, member.store.topic)
         self.wake = threading.Event()
         """Set by other threads to make an idle fetcher claim at once."""
         self._retries_until: float | None = None

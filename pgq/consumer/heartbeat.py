@@ -7,8 +7,9 @@ the member's liveness and local breaker state, opens the group when the
 quorum of tripped live members is there (one conditional statement), feeds
 the group state to the gate, and starts the prober while the group is OPEN or
 a reconciliation is owed. Every `lease / 3` seconds it extends the leases of
-the rows the member holds. It has its own connection, and none of its
-statements waits on locks that callers or housekeeping hold for long, so a
+the rows the member holds. It runs on the member's session connection (with
+the locks and LISTEN; never housekeeping's), and none of its statements
+waits on locks that callers or housekeeping hold for long, so a
 housekeeping pass stuck behind a lock (retention behind a caller's open
 `subscribe`) never delays a heartbeat nor a lease extension (decision 0025).
 """
@@ -56,7 +57,7 @@ class Heartbeat(Role):
         self.finish = threading.Event()
         self._poked = threading.Event()
         self.conn = RoleConnection(
-            member.engine,
+            member.links.session,
             "heartbeat",
             self.finish,
             lock_timeout=min(HEARTBEAT_LOCK_TIMEOUT_MAX, member.settings.lease / 10),

@@ -1,4 +1,4 @@
-"""The maintenance thread: periodic housekeeping on the member's own connection.
+"""The maintenance thread: periodic housekeeping on the member's `work` connection.
 
 The expired-lease sweep, the frontier advance, statistics, pruning, retention,
 forgetting departed members and the handler-timeout watchdog run as small task
@@ -101,9 +101,9 @@ class Maintenance(Role):
         self.finish = threading.Event()
         self._wake = threading.Event()
         self.conn = RoleConnection(
-            member.engine, "maintenance", self.finish, lock_timeout=HOUSEKEEPING_LOCK_TIMEOUT
+            member.links.work, "maintenance", self.finish, lock_timeout=HOUSEKEEPING_LOCK_TIMEOUT
         )
-        self.vacuum_conn = RoleConnection(member.engine, "vacuum", self.finish)
+        self.vacuum_conn = RoleConnection(member.links.work, "vacuum", self.finish)
         self._vacuuming: threading.Thread | None = None
         self.tasks: list[Task] = []
         self._retention_cut = False
@@ -163,9 +163,10 @@ class Maintenance(Role):
         self.conn.run(self.member.store.refresh_statistics)
 
     def vacuum(self) -> None:
-        """VACUUM `delivery` when dead row versions dominate it, on a thread and
-        connection of its own: a VACUUM may take longer than the lease, and lease
-        extension and the sweep (this thread's) must go on meanwhile."""
+        """VACUUM `delivery` when dead row versions dominate it, on a thread of its
+        own: a VACUUM may take longer than the lease. Lease extension goes on
+        meanwhile (the heartbeat's, on the session connection); outcomes and this
+        thread's tasks wait their turn on the `work` connection (decision 0027)."""
         if self._vacuuming is not None and self._vacuuming.is_alive():
             return
         self._vacuuming = threading.Thread(target=self._vacuum, name="pgq-vacuum", daemon=True)
@@ -225,7 +226,7 @@ class Maintenance(Role):
             return
         budget = min(EXPIRE_BUDGET, max(FINAL_RETENTION_MIN, left))
         wait = min(HOUSEKEEPING_LOCK_TIMEOUT, budget)
-        conn = RoleConnection(m.engine, "maintenance", threading.Event(), lock_timeout=wait)
+        conn = RoleConnection(m.links.claims, "final", threading.Event(), lock_timeout=wait)
         try:
             conn.run(m.store.prune_behind)
             self.retention_pass(conn, threading.Event(), budget)

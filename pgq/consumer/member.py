@@ -7,14 +7,12 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from sqlalchemy import Engine
-
 from pgq.consumer.handling import Handling
 from pgq.consumer.pool import ClaimPool
 from pgq.errors import BadDsn, PermissionDenied, PgqError, SchemaMissing
 from pgq.records import Claimed, Lease, Outcome, StopReason
 from pgq.settings import Settings
-from pgq.store import GroupStore, run_once
+from pgq.store import GroupStore, MemberLinks, RoleConnection
 from pgq.store.privileges import require_consumer_privileges
 
 logger = logging.getLogger("pgq.consumer")
@@ -42,7 +40,8 @@ class Member:
     """Everything a member's threads share: settings, the store, the pool, the
     rows it holds, the stop signals and the running counts."""
 
-    engine: Engine
+    links: MemberLinks
+    """The member's three connections (`pgq.store.connections`)."""
     settings: Settings
     store: GroupStore
     handling: Handling
@@ -97,7 +96,9 @@ class Member:
         a privilege is replaced by the check that names every missing one."""
         if isinstance(exc, PermissionDenied):
             try:
-                run_once(self.engine, require_consumer_privileges)
+                RoleConnection(self.links.work, "refusal", self.halt).run(
+                    require_consumer_privileges
+                )
             except PermissionDenied as named:
                 exc = named
             except PgqError:

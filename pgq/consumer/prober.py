@@ -20,6 +20,7 @@ the epoch it saw, can no longer close a newer outage.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from pgq.breaker import probe_delay
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
-from pgq.errors import DatabaseUnavailable
+from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.records import Claimed, Outcome
 from pgq.store import LostLock, RoleConnection, probe_lock
 
@@ -60,9 +61,11 @@ class Prober(Role):
         self.one_shot = one_shot
         self.clock = clock
         self.done = threading.Event()
-        self.conn = RoleConnection(member.engine, "prober", member.stopping)
+        self.conn = RoleConnection(member.links.claims, "prober", member.stopping)
         self.lock = probe_lock(
-            member.engine, member.store.group, idle_timeout=member.settings.breaker_member_ttl
+            member.links.session,
+            member.store.group,
+            idle_timeout=member.settings.breaker_member_ttl,
         )
         self.sitting_out = False
 
@@ -101,13 +104,21 @@ class Prober(Role):
                     logger.warning("prober stepped down error=%s", exc)
                     self._pause(min(1.0, m.settings.breaker_heartbeat))
                 finally:
-                    self.lock.release()
+                    self._step_down()
         except DatabaseUnavailable:
             pass  # stopping while the database is away
         finally:
-            self.lock.release()
+            self._step_down()
             self.conn.close()
             self.done.set()
+
+    def _step_down(self) -> None:
+        """Give the prober's name and the probe lock up. The session goes on (it is
+        the member's own): both are unlocked, where closing a connection of its own
+        used to free them."""
+        with contextlib.suppress(LostLock, PgqError):
+            self.lock.run(self.member.store.unset_prober)
+        self.lock.release()
 
     def _pause(self, seconds: float) -> None:
         self.member.stopping.wait(seconds)
@@ -129,9 +140,7 @@ class Prober(Role):
         """Probe, close and reconcile while holding the lock; True when finished."""
         m, s = self.member, self.member.settings
         turns = 0  # systemic probe failures in a row under this election
-        lock_conn = self.lock.conn
-        if lock_conn is not None:
-            m.store.set_prober(lock_conn)
+        self.lock.run(m.store.set_prober)
         while not m.stopping.is_set():
             self.lock.check()
             view = self.conn.run(m.store.breaker)

@@ -17,6 +17,7 @@ the member leaves the group.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -29,7 +30,7 @@ from pgq.consumer.member import REFUSALS, Member
 from pgq.consumer.workers import Workers
 from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.records import RunSummary
-from pgq.store import SessionLock, run_once
+from pgq.store import RoleConnection, SessionLock
 
 VACUUM_EVERY = 5.0
 """Seconds between a member's checks whether `delivery` needs a VACUUM (decision 0021)."""
@@ -51,6 +52,10 @@ class Runtime:
         self.gate = gate
         self.session = session
         """The member's session lock: it is live while this connection holds it."""
+        self.conn = RoleConnection(member.links.claims, "final", threading.Event())
+        """For the abort and the final pass (no retries: each tries once), on the
+        claims connection: claiming has stopped by then, and an outcome write stuck
+        behind a lock may hold the work connection still."""
         self.acker = Acker(member)
         self.workers = Workers(member, gate, self.acker, clock)
         self.fetcher = Fetcher(member, gate)
@@ -98,10 +103,10 @@ class Runtime:
         outcomes = self.acker.take_queued()
         try:
             if rows:
-                released = run_once(m.engine, m.store.release, [row.lease for row in rows])
+                released = self.conn.run(m.store.release, [row.lease for row in rows])
                 m.count_released(len(released))
             if outcomes:
-                run_once(m.engine, m.store.record, outcomes)
+                self.conn.run(m.store.record, outcomes)
         except PgqError as exc:
             logger.warning("abort could not release or write everything error=%s", exc)
         self.session.release()
@@ -142,7 +147,7 @@ class Runtime:
             return self._final_pass(deadline)
         finally:
             self.session.release()
-            m.engine.dispose()
+            m.links.close()
 
     def _final_pass(self, deadline: float) -> int:
         """Advance the frontier, run the retention pass the run was due and did not
@@ -152,10 +157,10 @@ class Runtime:
         m = self.member
         store, ttl = m.store, m.settings.breaker_member_ttl
         try:
-            run_once(m.engine, store.advance_frontier)
+            self.conn.run(store.advance_frontier)
             self.maintenance.final_retention(deadline - time.monotonic())
-            run_once(m.engine, store.leave)
-            waiting = run_once(m.engine, store.drain_state, ttl).waiting_retry
+            self.conn.run(store.leave)
+            waiting = self.conn.run(store.drain_state, ttl).waiting_retry
             return waiting if m.drained_waiting is None else m.drained_waiting
         except REFUSALS as exc:
             logger.error("final maintenance pass refused error=%s", exc)

@@ -21,6 +21,7 @@ from sqlalchemy import (
     bindparam,
     case,
     cast,
+    false,
     func,
     insert,
     literal,
@@ -28,13 +29,14 @@ from sqlalchemy import (
     null,
     or_,
     select,
+    true,
     update,
 )
 from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
 from pgq.sql.claim import lease_picked
-from pgq.sql.locks import pg_locks
+from pgq.sql.locks import advisory_held
 from pgq.sql.members import member_key, member_live
 from pgq.sql.refunds import carries_charges, charged_within
 
@@ -158,11 +160,30 @@ def set_prober() -> Executable:
 
 @cache
 def mark_prober() -> Executable:
-    """Take `:member`'s prober lock in `:gid` in this session: run on the session that
-    holds the probe lock, it names the prober for as long as that session lives. Over
-    no table, so on Citus it runs on the coordinator with the session's other locks."""
-    gid, member = bindparam("gid", type_=Integer), bindparam("member", type_=Text)
-    return select(func.pg_try_advisory_lock(member_key(gid, member, "prober")))
+    """Take `:member`'s prober lock in `:gid` in this session, unless it holds it
+    already (the member's session outlives elections: a second take would stack a
+    second hold that one unlock leaves in place). Run on the session that holds the
+    probe lock, it names the prober for as long as that session lives or until
+    `unmark_prober`. Over no table, so on Citus it runs on the coordinator with the
+    session's other locks."""
+    key = _prober_key()
+    return select(
+        case((advisory_held(key, this_session=True), true()), else_=func.pg_try_advisory_lock(key))
+    )
+
+
+@cache
+def unmark_prober() -> Executable:
+    """Release `:member`'s prober lock in `:gid` if this session holds it (the prober
+    stepped down; its session, shared with the member's liveness, goes on)."""
+    key = _prober_key()
+    return select(
+        case((advisory_held(key, this_session=True), func.pg_advisory_unlock(key)), else_=false())
+    )
+
+
+def _prober_key() -> ColumnElement[int]:
+    return member_key(bindparam("gid", type_=Integer), bindparam("member", type_=Text), "prober")
 
 
 @cache
@@ -492,19 +513,9 @@ def _owed_a_refund() -> ColumnElement[bool]:
     )
 
 
-@cache
-def lock_held() -> Executable:
-    """True while this session holds an advisory lock (the lock connection holds no other)."""
-    return select(
-        select(literal(1))
-        .select_from(pg_locks)
-        .where(
-            pg_locks.c.locktype == literal("advisory"),
-            pg_locks.c.pid == func.pg_backend_pid(),
-            pg_locks.c.granted,
-        )
-        .exists()
-    )
+def lock_held(key: int) -> Executable:
+    """True while this session holds the session-level advisory lock `key`."""
+    return select(advisory_held(literal(key, BigInteger), this_session=True))
 
 
 def _probe_lease() -> ColumnElement[bool]:

@@ -1,15 +1,30 @@
-"""The connections a member's roles own, and the one retry policy.
+"""The connections a member's roles share, and the one retry policy.
 
-- `RoleConnection`: one pooled connection per thread role (fetcher, acker,
-  heartbeat, maintenance, prober), each call one transaction, retried with
-  exponential backoff while the database is unavailable.
-- `SessionLock`: a dedicated connection outside any pool that holds a
-  session-level advisory lock: the group's probe lock (`probe_lock`, whose
-  session the server ends once it idles for `breaker.member_ttl`) and each
-  member's liveness lock (`member_lock`).
-- `Listener`: the fetcher's LISTEN connection (autocommit, outside the pool).
+A member runs on three connections (DESIGN §7, decision 0027), each a `Link` named
+`pgq/<group>/<member>/<role>` in `pg_stat_activity`:
+
+- `session`: the member's liveness lock, LISTEN, the probe lock and the heartbeat
+  (lease extension, the quorum check). Direct or session-pooled: `session_dsn`.
+- `claims`: the fetcher's claims and the prober's probes; once claiming has
+  stopped, the abort and the final pass (an outcome write stuck behind a lock
+  may still hold `work` then).
+- `work`: start-up, outcomes, housekeeping and VACUUM.
+
+Roles on one link take turns (one transaction at a time). The last two work
+through PgBouncer in transaction mode: when a `session_dsn` is given, the DSN is
+taken for a pooler, and its connections prepare no statements and send no
+startup `options`.
+
+- `RoleConnection`: a role's use of a link, each call one transaction, retried
+  with exponential backoff while the database is unavailable.
+- `SessionLock`: a session-level advisory lock held on a link: the group's probe
+  lock (`probe_lock`, whose session the server ends once it idles for
+  `breaker.member_ttl` while held) and each member's liveness lock (`member_lock`).
+- `Listener`: LISTEN on a link for the schema's publish channel.
 - `run_once`: one transaction on a pooled connection, for one-off calls.
 - `run_hot`: a hot-path statement compiled once and run on the driver's cursor.
+
+Each also takes an `Engine` instead of a link: it then runs on a link of its own.
 """
 
 from __future__ import annotations
@@ -17,9 +32,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import select
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 import psycopg
@@ -41,7 +58,7 @@ from pgq.sql.locks import (
     unlock_session,
 )
 from pgq.sql.publish import notify_channel
-from pgq.store.engine import connect, conninfo_of, schema_of
+from pgq.store.engine import connect, conninfo_of, schema_of, session_conninfo_of, session_options
 from pgq.store.errors import wrap_errors
 
 logger = logging.getLogger("pgq.store")
@@ -53,19 +70,166 @@ STOP_CHECK = 0.2
 IDLE_SESSION_TIMEOUT_SINCE = 140000
 """The first server version (`server_version_num`) with `idle_session_timeout`."""
 
+CLOSE_WAIT = 1.0
+"""Seconds `Link.close` waits for a role's statement before cancelling it."""
+
 KEEP_SHARE = 1 / 3
 """A lock whose session ends when idle is touched at least this often (share of the limit)."""
 
 
-class RoleConnection:
-    """The one connection a consumer thread role owns.
+class Link:
+    """One connection that roles take turns on (`lock`: one transaction at a time).
 
-    `run(fn)` calls `fn(conn)` inside a transaction; `run(fn, single=True)` is
-    for an `fn` that runs exactly one hot statement (`run_hot`): it runs in
-    autocommit, one round trip instead of three (BEGIN, the statement, COMMIT).
-    When the database is unreachable the connection is thrown away (the next
-    call opens a new one) and `DatabaseUnavailable` is raised; `retrying(fn)`
-    retries that with exponential backoff until it works or `stop` is set.
+    Opened on first use and again after it was lost (`generation` counts the
+    sessions; `on_connect` hooks run on each new one, LISTEN say). Made from an
+    engine of its own (`owned`: disposed with the link) or from a caller's engine,
+    whose pool then lends the connection.
+    """
+
+    def __init__(self, engine: Engine, role: str, *, owned: bool = False) -> None:
+        self.engine = engine
+        self.role = role
+        self.owned = owned
+        self.lock = threading.RLock()
+        self.conn: Connection | None = None
+        self.generation = 0
+        """How many sessions this link has opened: a lock taken in an earlier one is gone."""
+        self.running: str | None = None
+        """The role whose transaction runs now (what `cancel` would stop)."""
+        self._hooks: list[Callable[[Connection], None]] = []
+
+    def connection(self) -> Connection:
+        """The open connection, opened (and its hooks run) when there is none; call
+        with `lock` held and inside `wrap_errors`."""
+        if self.conn is None:
+            conn = self.engine.connect()
+            try:
+                for hook in self._hooks:
+                    with conn.begin():
+                        hook(conn)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    conn.close()
+                raise
+            self.conn = conn
+            self.generation += 1
+        return self.conn
+
+    def on_connect(self, hook: Callable[[Connection], None]) -> None:
+        """Run `hook(conn)` (in a transaction) on every session this link opens, the
+        open one included."""
+        with self.lock:
+            self._hooks.append(hook)
+            if self.conn is not None:
+                try:
+                    with wrap_errors(), self.conn.begin():
+                        hook(self.conn)
+                except DatabaseUnavailable:
+                    self.discard()
+                    raise
+
+    def discard(self) -> None:
+        """Throw the connection away (broken, or left in an unknown state)."""
+        with self.lock:
+            conn, self.conn = self.conn, None
+        if conn is None:
+            return
+        with contextlib.suppress(Exception):
+            conn.invalidate()
+        with contextlib.suppress(Exception):
+            conn.close()
+
+    def close(self, wait: float = CLOSE_WAIT) -> None:
+        """Close the connection (a caller's engine gets it back in its pool). A role
+        whose statement still runs after `wait` seconds (a write stuck behind a
+        lock, at the end of a shutdown that gave up on it) has it cancelled; if even
+        that does not free the link, the connection is left to its role."""
+        if not self.lock.acquire(timeout=wait):
+            running = self.running
+            if running is not None:
+                self.cancel(running, timeout=wait)
+            if not self.lock.acquire(timeout=wait):
+                logger.warning("connection still busy at close role=%s", running)
+                return
+        try:
+            conn, self.conn = self.conn, None
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    conn.close()
+            if self.owned:
+                self.engine.dispose()
+        finally:
+            self.lock.release()
+
+    def cancel(self, role: str, timeout: float = 5.0) -> None:
+        """Ask the server to cancel the statement `role` runs on this link, if it runs
+        one now (from another thread; never another role's). The request opens a
+        connection of its own and may wait up to `timeout` seconds: callers that must
+        not wait run it on a thread of its own."""
+        conn = self.conn
+        if conn is None or self.running != role:
+            return
+        with contextlib.suppress(Exception):
+            driver = conn.connection.driver_connection
+            if driver is not None and self.running == role:
+                driver.cancel_safe(timeout=timeout)
+
+
+def private_link(engine: Engine, role: str) -> Link:
+    """A link of its own on `engine`'s server, outside any pool (for a lock or
+    LISTEN made from an engine: one session that lives as long as the link)."""
+    own = connect(conninfo_of(engine), schema=schema_of(engine), pool_size=None)
+    return Link(own, role, owned=True)
+
+
+@dataclass(frozen=True)
+class MemberLinks:
+    """The three connections of one member (module docstring)."""
+
+    session: Link
+    claims: Link
+    work: Link
+
+    def close(self) -> None:
+        for link in (self.claims, self.work, self.session):
+            link.close()
+
+
+def member_links(
+    engine: Engine, group: str, member: str, *, idle_in_transaction: float
+) -> MemberLinks:
+    """The links a member runs on, each named `pgq/<group>/<member>/<role>` (cut to
+    the 63 bytes PostgreSQL keeps), on the server and schema of `engine`; the
+    session on `engine`'s `session_dsn` when it has one (see `session_options`)."""
+    schema = schema_of(engine)
+    direct = session_conninfo_of(engine)
+    pooled = direct != conninfo_of(engine)
+
+    def link(role: str) -> Link:
+        name = f"pgq/{group}/{member}/{role}"
+        conninfo, extra = session_options(
+            direct if role == "session" else conninfo_of(engine),
+            application_name=name,
+            idle_in_transaction=idle_in_transaction,
+            pooled=pooled and role != "session",
+        )
+        own = connect(conninfo, schema=schema, pool_size=None, connect_args=extra)
+        return Link(own, role, owned=True)
+
+    return MemberLinks(session=link("session"), claims=link("claims"), work=link("work"))
+
+
+class RoleConnection:
+    """A thread role's use of a link (`target`; an `Engine` lends one pooled
+    connection to this role alone).
+
+    `run(fn)` calls `fn(conn)` inside a transaction, the link's other roles waiting
+    their turn; `run(fn, single=True)` is for an `fn` that runs exactly one hot
+    statement (`run_hot`): it runs in autocommit, one round trip instead of three
+    (BEGIN, the statement, COMMIT). When the database is unreachable the
+    connection is thrown away (the next call opens a new one) and
+    `DatabaseUnavailable` is raised; `retrying(fn)` retries that with exponential
+    backoff until it works or `stop` is set.
 
     With `lock_timeout` (seconds), each transaction's statements wait at most that
     long for a lock, then fail with `LockNotAvailable` (the transaction rolls back):
@@ -74,34 +238,38 @@ class RoleConnection:
 
     def __init__(
         self,
-        engine: Engine,
+        target: Engine | Link,
         role: str,
         stop: threading.Event,
         *,
         lock_timeout: float | None = None,
     ) -> None:
-        self.engine = engine
+        self.link = target if isinstance(target, Link) else Link(target, role)
+        self._own_link = not isinstance(target, Link)
         self.role = role
         self.stop = stop
         self._lock_ms = None if lock_timeout is None else str(max(1, round(lock_timeout * 1000)))
-        self._conn: Connection | None = None
 
     def run(self, fn: Callable[..., T], *args: Any, single: bool = False) -> T:
         """`fn(conn, *args)` in one transaction on this role's connection (`single`:
         `fn` runs one hot statement, which commits by itself; no lock timeout)."""
-        try:
-            with wrap_errors():
-                if self._conn is None:
-                    self._conn = self.engine.connect()
-                if single:
-                    return _autocommitted(self._conn, fn, *args)
-                with self._conn.begin():
-                    if self._lock_ms is not None:
-                        self._conn.execute(lock_timeout(), {"ms": self._lock_ms})
-                    return fn(self._conn, *args)
-        except DatabaseUnavailable:
-            self._discard()
-            raise
+        link = self.link
+        with link.lock:
+            try:
+                with wrap_errors():
+                    conn = link.connection()
+                    link.running = self.role
+                    if single:
+                        return _autocommitted(conn, fn, *args)
+                    with conn.begin():
+                        if self._lock_ms is not None:
+                            conn.execute(lock_timeout(), {"ms": self._lock_ms})
+                        return fn(conn, *args)
+            except DatabaseUnavailable:
+                link.discard()
+                raise
+            finally:
+                link.running = None
 
     def retrying(self, fn: Callable[..., T], *args: Any, single: bool = False) -> T:
         """`run(fn, *args)`, retried with backoff while the database is unavailable.
@@ -137,33 +305,15 @@ class RoleConnection:
 
         return retryer(attempt)
 
-    def _discard(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        with contextlib.suppress(Exception):
-            conn.invalidate()
-        with contextlib.suppress(Exception):
-            conn.close()
-
     def close(self) -> None:
-        """Return the connection (if any) to the pool."""
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
+        """Give a lent connection back to its engine's pool (a shared link stays:
+        its member closes it)."""
+        if self._own_link:
+            self.link.close()
 
     def cancel(self, timeout: float = 5.0) -> None:
-        """Ask the server to cancel the statement running on this connection (from
-        another thread; nothing happens when none runs). The request opens a
-        connection of its own and may wait up to `timeout` seconds: callers that must
-        not wait run it on a thread of its own."""
-        conn = self._conn
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                driver = conn.connection.driver_connection
-                if driver is not None:
-                    driver.cancel_safe(timeout=timeout)
+        """Cancel the statement this role runs now, if any (`Link.cancel`)."""
+        self.link.cancel(self.role, timeout)
 
 
 def _autocommitted(conn: Connection, fn: Callable[..., T], *args: Any) -> T:
@@ -239,23 +389,25 @@ class LostLock(Exception):
 
 
 class SessionLock:
-    """A session-level advisory lock on a dedicated connection (autocommit, no pool).
+    """A session-level advisory lock held on a link (`target`; an `Engine` makes it a
+    link of its own, outside any pool).
 
     `take`, `held` and `release` are the statements (with `params`) that try the
-    lock, tell whether this session still holds it, and unlock. Closing the
-    connection frees the lock too, so a dead process never keeps it.
+    lock, tell whether this session still holds it, and unlock. The lock goes with
+    its session, so a dead process never keeps it; a link that opened a new
+    session since (`Link.generation`) no longer holds it.
 
     With `idle_timeout`, the server ends the lock's session once it has been idle
-    that long (`idle_session_timeout`, PostgreSQL 14 and later): a holder that stops
-    answering (SIGSTOP, a hung host) loses the lock even though its connection
-    lingers. The holder keeps the session busy by calling `check` at least every
-    `keep_every` seconds. Older servers lack the setting: the lock then lasts as
-    long as the session (one warning says so).
+    that long while the lock is held (`idle_session_timeout`, PostgreSQL 14 and
+    later): a holder that stops answering (SIGSTOP, a hung host) loses the lock
+    even though its connection lingers. The holder keeps the session busy by
+    calling `check` at least every `keep_every` seconds. Older servers lack the
+    setting: the lock then lasts as long as the session (one warning says so).
     """
 
     def __init__(
         self,
-        engine: Engine,
+        target: Engine | Link,
         take: Executable,
         held: Executable,
         release: Executable,
@@ -263,39 +415,66 @@ class SessionLock:
         *,
         idle_timeout: float | None = None,
     ) -> None:
-        self.engine = connect(
-            conninfo_of(engine), schema=schema_of(engine), pool_size=None
-        ).execution_options(isolation_level="AUTOCOMMIT")
+        self.link = target if isinstance(target, Link) else private_link(target, "lock")
+        self._own_link = not isinstance(target, Link)
         self._take, self._held, self._release = take, held, release
         self.params = params or {}
         self.idle_timeout = idle_timeout
         self.keep_every = math.inf if idle_timeout is None else idle_timeout * KEEP_SHARE
         """Longest stretch the holder may leave the session idle."""
         self._warned = False
-        self.conn: Connection | None = None
+        self._taken_in: int | None = None
+        """The link's session (`generation`) in which the lock was taken."""
+
+    @property
+    def conn(self) -> Connection | None:
+        """The lock's connection (for a caller that runs statements on its session)."""
+        return self.link.conn
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(conn, *args)` in one transaction on the lock's session, if it is still
+        the session that took the lock (else `LostLock`)."""
+        link = self.link
+        with link.lock:
+            if link.conn is None or self._taken_in != link.generation:
+                raise LostLock("the lock's session ended")
+            try:
+                with wrap_errors(), link.conn.begin():
+                    return fn(link.conn, *args)
+            except DatabaseUnavailable as exc:
+                link.discard()
+                raise LostLock(str(exc)) from exc
 
     def acquire(self) -> bool:
         """Try to take the lock; False if another session holds it."""
-        with wrap_errors():
-            if self.conn is None:
-                conn = self.engine.connect()
-                try:
-                    self._end_when_idle(conn)
-                except BaseException:
-                    with contextlib.suppress(Exception):
-                        conn.close()
-                    raise
-                self.conn = conn
-            return bool(self.conn.execute(self._take, self.params).scalar())
+        link = self.link
+        with link.lock:
+            try:
+                with wrap_errors():
+                    conn = link.connection()
+                    with conn.begin():
+                        if (
+                            self._taken_in == link.generation
+                            and conn.execute(self._held, self.params).scalar()
+                        ):
+                            return True  # taken again would stack a second hold
+                        if not conn.execute(self._take, self.params).scalar():
+                            return False
+                        self._end_when_idle(conn, self.idle_timeout)
+                    self._taken_in = link.generation
+                    return True
+            except DatabaseUnavailable:
+                link.discard()
+                raise
 
-    def _end_when_idle(self, conn: Connection) -> None:
-        """Set the new session's `idle_session_timeout`, where the server has it."""
+    def _end_when_idle(self, conn: Connection, seconds: float | None) -> None:
+        """Set the session's `idle_session_timeout` (None: never), where the server has it."""
         if self.idle_timeout is None:
             return
         driver = cast(psycopg.Connection[Any], conn.connection.driver_connection)
         version = driver.info.server_version
         if version >= IDLE_SESSION_TIMEOUT_SINCE:
-            ms = max(1, round(self.idle_timeout * 1000))
+            ms = 0 if seconds is None else max(1, round(seconds * 1000))
             conn.execute(idle_session_timeout(), {"ms": str(ms)})
         elif not self._warned:
             self._warned = True
@@ -311,72 +490,116 @@ class SessionLock:
         Also what keeps a lock with `idle_timeout` alive: each call is a statement.
         """
         try:
-            with wrap_errors():
-                if self.conn is None:
-                    raise LostLock("not connected")
-                held = self.conn.execute(self._held, self.params).scalar()
+            held = self.run(lambda conn: conn.execute(self._held, self.params).scalar())
+        except LostLock:
+            raise
         except Exception as exc:
             raise LostLock(str(exc)) from exc
         if not held:
             raise LostLock("the lock is no longer held")
 
     def release(self) -> None:
-        """Unlock and close (closing alone would free the lock too)."""
-        conn, self.conn = self.conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.execute(self._release, self.params)
-            with contextlib.suppress(Exception):
-                conn.close()
-        self.engine.dispose()
+        """Unlock (and end the idle limit) if this session holds the lock; a lock of
+        its own link closes that too."""
+        link = self.link
+        with link.lock:
+            if link.conn is not None and self._taken_in == link.generation:
+                try:
+                    with wrap_errors(), link.conn.begin():
+                        if link.conn.execute(self._held, self.params).scalar():
+                            link.conn.execute(self._release, self.params)
+                        self._end_when_idle(link.conn, None)
+                except Exception:
+                    link.discard()  # a session that may still hold it must end
+            self._taken_in = None
+            if self._own_link:
+                link.close()
 
 
-def probe_lock(engine: Engine, group: str, *, idle_timeout: float | None = None) -> SessionLock:
+def probe_lock(
+    target: Engine | Link, group: str, *, idle_timeout: float | None = None
+) -> SessionLock:
     """The lock that elects the prober of `group` (DESIGN §6.4); its session ends once
-    idle for `idle_timeout` seconds (the prober passes `breaker.member_ttl`)."""
-    key = probe_lock_key(schema_of(engine), group)
+    idle for `idle_timeout` seconds while held (the prober passes `breaker.member_ttl`)."""
+    key = probe_lock_key(schema_of(_engine_of(target)), group)
     return SessionLock(
-        engine,
+        target,
         try_session_lock(key),
-        breaker_sql.lock_held(),
+        breaker_sql.lock_held(key),
         unlock_session(key),
         idle_timeout=idle_timeout,
     )
 
 
-def member_lock(engine: Engine, gid: int, member: str) -> SessionLock:
+def member_lock(target: Engine | Link, gid: int, member: str) -> SessionLock:
     """The lock a member's session holds while it runs: its liveness (DESIGN §6.2).
 
-    Its session has no idle limit: liveness also needs a heartbeat younger than
-    `breaker.member_ttl`, so a paused member stops counting without losing it.
+    It sets no idle limit: liveness also needs a heartbeat younger than
+    `breaker.member_ttl`, so a paused member stops counting without losing it
+    (unless it is the prober, whose shared session then ends: decision 0027).
     """
     return SessionLock(
-        engine,
+        target,
         member_sql.take_session_lock(),
         member_sql.session_lock_held(),
         member_sql.release_session_lock(),
-        {"gid": gid, "member": member, "table": f'"{schema_of(engine)}".member'},
+        {"gid": gid, "member": member, "table": f'"{schema_of(_engine_of(target))}".member'},
     )
 
 
+def _engine_of(target: Engine | Link) -> Engine:
+    return target.engine if isinstance(target, Link) else target
+
+
 class Listener:
-    """A LISTEN connection for the schema's publish channel (autocommit, outside the pool)."""
+    """LISTEN for the schema's publish channel on a link (`target`; an `Engine`
+    makes it a link of its own). Waiting holds the link only to collect what came:
+    its other roles run between looks."""
 
-    def __init__(self, engine: Engine, topic: str) -> None:
-        self.conninfo = conninfo_of(engine)
-        self.channel = notify_channel(schema_of(engine))
+    def __init__(self, target: Engine | Link, topic: str) -> None:
+        self.link = target if isinstance(target, Link) else private_link(target, "listen")
+        self._own_link = not isinstance(target, Link)
+        self.channel = notify_channel(schema_of(self.link.engine))
         self.topic = topic
-        self._conn: psycopg.Connection[tuple[object, ...]] | None = None
+        self._hooked = False
+        self._seen = 0
+        """The link's session in which this listener last looked."""
 
-    def _connect(self) -> psycopg.Connection[tuple[object, ...]] | None:
-        if self._conn is None:
+    def _listen(self, conn: Connection) -> None:
+        conn.exec_driver_sql(
+            psql.SQL("LISTEN {}").format(psql.Identifier(self.channel)).as_string(None)
+        )
+
+    def _collect(self) -> bool | None:
+        """Whether a publish to this topic was heard since the last look (True too
+        when LISTEN only starts now: a publish before it sent nothing); None when
+        there is no connection to listen on."""
+        link = self.link
+        with link.lock:
             try:
-                conn = psycopg.connect(self.conninfo, autocommit=True, connect_timeout=5)
-                conn.execute(psql.SQL("LISTEN {}").format(psql.Identifier(self.channel)))
-                self._conn = conn
-            except psycopg.Error as exc:
+                with wrap_errors():
+                    if not self._hooked:
+                        link.on_connect(self._listen)
+                        self._hooked = True
+                    conn = link.connection()
+                    if self._seen != link.generation:
+                        self._seen = link.generation
+                        return True
+                    driver = cast(psycopg.Connection[Any], conn.connection.driver_connection)
+                    return any(n.payload == self.topic for n in driver.notifies(timeout=0))
+            except (DatabaseUnavailable, psycopg.Error) as exc:
+                link.discard()
                 logger.warning("listen unavailable, polling instead error=%s", exc)
-        return self._conn
+                return None
+
+    def _socket(self) -> int | None:
+        conn = self.link.conn
+        if conn is None:
+            return None
+        with contextlib.suppress(Exception):
+            driver = cast(psycopg.Connection[Any], conn.connection.driver_connection)
+            return driver.pgconn.socket
+        return None
 
     def wait(self, timeout: float, stop: threading.Event) -> bool:
         """Wait up to `timeout` (or until `stop`) for a publish to this topic.
@@ -384,27 +607,25 @@ class Listener:
         True if one came, or if LISTEN only starts now: a publish committed
         before it sent us nothing, so the caller must look again first.
         """
-        if self._conn is None:
-            if self._connect() is None:
-                stop.wait(timeout)
-                return False
-            return True
-        conn = self._conn
         deadline = time.monotonic() + timeout
-        try:
-            while not stop.is_set():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                for note in conn.notifies(timeout=min(left, STOP_CHECK)):
-                    if note.payload == self.topic:
-                        return True
-        except psycopg.Error:
-            self.close()
+        while not stop.is_set():
+            heard = self._collect()
+            if heard:
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            fd = self._socket() if heard is not None else None
+            if fd is None:
+                stop.wait(left)
+                return False
+            try:  # another role's statement wakes this too: the next look waits for it
+                select.select([fd], [], [], min(left, STOP_CHECK))
+            except (OSError, ValueError):
+                stop.wait(min(left, STOP_CHECK))
         return False
 
     def close(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            with contextlib.suppress(Exception):
-                conn.close()
+        """Close a listener's own link (a shared one stays LISTENing with it)."""
+        if self._own_link:
+            self.link.close()

@@ -64,6 +64,7 @@ def connect(
     *,
     schema: str | None = None,
     pool_size: int | None = 10,
+    session_dsn: str | None = None,
     **engine_kwargs: Any,
 ) -> Engine:
     """Return a SQLAlchemy `Engine` for pgq.
@@ -73,9 +74,17 @@ def connect(
     server under `$PGQ_HOME` is started (or reused). No connection is opened
     here; the first statement opens one. `pool_size=None` makes an engine
     without a pool: every connection is opened and closed for its user.
+
+    `session_dsn` (else `$PGQ_SESSION_DSN`, else `dsn` itself) is where a consumer
+    member opens its one session connection (liveness lock, LISTEN, probe lock):
+    give it when `dsn` points at a pooler in transaction mode (PgBouncer), which
+    cannot keep a session's locks (DESIGN §7, "Connections").
     """
     conninfo = resolve_dsn(dsn)
     check_dsn(conninfo)
+    session = session_dsn or os.environ.get("PGQ_SESSION_DSN") or conninfo
+    if session != conninfo:
+        check_dsn(session)
     name = resolve_schema(schema)
     if pool_size is None:
         engine_kwargs["poolclass"] = NullPool
@@ -83,13 +92,15 @@ def connect(
         engine_kwargs.setdefault("pool_size", pool_size)
         engine_kwargs.setdefault("max_overflow", pool_size)
         engine_kwargs.setdefault("pool_pre_ping", True)
-    engine = create_engine(
-        "postgresql+psycopg://",
-        connect_args=psycopg.conninfo.conninfo_to_dict(conninfo),
-        **engine_kwargs,
-    )
+    driver_args = {
+        **psycopg.conninfo.conninfo_to_dict(conninfo),
+        **engine_kwargs.pop("connect_args", {}),
+    }
+    engine = create_engine("postgresql+psycopg://", connect_args=driver_args, **engine_kwargs)
     return engine.execution_options(
-        schema_translate_map={SCHEMA_PLACEHOLDER: name}, pgq_conninfo=conninfo
+        schema_translate_map={SCHEMA_PLACEHOLDER: name},
+        pgq_conninfo=conninfo,
+        pgq_session_conninfo=session,
     )
 
 
@@ -106,6 +117,13 @@ def conninfo_of(engine: Engine) -> str:
     if conninfo:
         return str(conninfo)
     return engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def session_conninfo_of(engine: Engine) -> str:
+    """Where a member's session connection goes: the engine's `session_dsn`, else
+    its own connection string."""
+    session = engine.get_execution_options().get("pgq_session_conninfo")
+    return str(session) if session else conninfo_of(engine)
 
 
 def first_line(exc: BaseException) -> str:
@@ -127,25 +145,36 @@ def with_connect_timeout(dsn: str, seconds: int) -> str:
     return psycopg.conninfo.make_conninfo(dsn, connect_timeout=seconds)
 
 
-def member_engine(engine: Engine, *, idle_in_transaction: float, connections: int) -> Engine:
-    """The engine a consumer member runs its own connections on (same server and
-    schema as `engine`, its own pool of `connections`).
+def session_options(
+    conninfo: str, *, application_name: str, idle_in_transaction: float, pooled: bool
+) -> tuple[str, dict[str, Any]]:
+    """The connection string and driver arguments of one of a consumer member's
+    connections: `conninfo` named `application_name` (cut to the 63 bytes
+    PostgreSQL keeps).
 
-    Its sessions end any transaction left idle for `idle_in_transaction` seconds
-    (`idle_in_transaction_session_timeout`): a member process paused between two
-    statements of a transaction (SIGSTOP, a stalled host) would otherwise hold its
-    row locks for as long as it is paused, and the other members' claims, sweeps
-    and counters would skip or wait for those rows. pgq's own transactions never
-    idle: their statements follow one another at once.
+    A direct session ends any transaction left idle for `idle_in_transaction`
+    seconds (`idle_in_transaction_session_timeout`): a member process paused
+    between two statements of a transaction (SIGSTOP, a stalled host) would
+    otherwise hold its row locks for as long as it is paused, and the other
+    members' claims, sweeps and counters would skip or wait for those rows. pgq's
+    own transactions never idle: their statements follow one another at once.
 
-    They also run with `jit = off`: pgq's statements are short, and the planner's
+    It also runs with `jit = off`: pgq's statements are short, and the planner's
     cost estimate for a statement that looks up live members in pg_locks per row
     (the drain check of `until_empty`) crosses `jit_above_cost`, so a server with
     JIT spent ~0.6 s compiling it at the end of every drain (measured on
     PostgreSQL 15), for a statement that runs in 2 ms.
+
+    A `pooled` connection (through PgBouncer in transaction mode) sends neither:
+    a pooler refuses startup `options` or drops them (set the server's or the
+    role's `jit`, and the pooler's `idle_transaction_timeout`, instead), and it
+    prepares no statement, which a transaction-mode pooler cannot keep between
+    transactions.
     """
-    params = psycopg.conninfo.conninfo_to_dict(conninfo_of(engine))
+    params = psycopg.conninfo.conninfo_to_dict(conninfo)
+    params["application_name"] = application_name.encode()[:63].decode(errors="ignore")
+    if pooled:
+        return psycopg.conninfo.make_conninfo("", **params), {"prepare_threshold": None}
     timeout = f"-c idle_in_transaction_session_timeout={max(1, round(idle_in_transaction * 1000))}"
     params["options"] = f"{params.get('options') or ''} {timeout} -c jit=off".strip()
-    conninfo = psycopg.conninfo.make_conninfo("", **params)
-    return connect(conninfo, schema=schema_of(engine), pool_size=connections)
+    return psycopg.conninfo.make_conninfo("", **params), {}

@@ -477,6 +477,12 @@ class GroupStore:
         lock_conn.execute(breaker_sql.set_prober(), params)
         lock_conn.execute(breaker_sql.mark_prober(), {**params, "table": member_table(lock_conn)})
 
+    def unset_prober(self, lock_conn: Connection) -> None:
+        """This member stepped down as prober: drop the prober lock `set_prober` took
+        on the session that goes on holding the member's liveness."""
+        params = {"gid": self.gid, "member": self.member, "table": member_table(lock_conn)}
+        lock_conn.execute(breaker_sql.unmark_prober(), params)
+
     def probe_failed(
         self, conn: Connection, epoch: int, delay: float, message_id: int | None = None
     ) -> int | None:

@@ -359,7 +359,7 @@ def test_a_member_transaction_left_idle_gives_its_locks_back(orders, schema):
     member's own sessions end a transaction left idle (`lease`, at least 5 s)."""
     engine = orders
     mid = pgq.publish(engine, "orders", {"n": 1})
-    member = pgq.store.member_engine(engine, idle_in_transaction=1.0, connections=1)
+    member = pgq.store.member_links(engine, "g", "m", idle_in_transaction=1.0).work.engine
     lock = text(f'SELECT 1 FROM "{schema}".delivery WHERE message_id = :id FOR UPDATE')
     paused = member.connect()
     paused.begin()

@@ -1,4 +1,4 @@
-"""The sessions a consumer member runs on (`pgq.store.member_engine`)."""
+"""The sessions a consumer member runs on (`pgq.store.member_links`)."""
 
 from __future__ import annotations
 
@@ -21,16 +21,17 @@ def test_member_sessions_run_without_jit_whatever_the_dsn_says(engine: Engine, s
     params = psycopg.conninfo.conninfo_to_dict(conninfo_of(engine))
     params["options"] = "-c jit=on -c jit_above_cost=0"
     user = pgq.connect(psycopg.conninfo.make_conninfo("", **params), schema=schema)
-    member = pgq.store.member_engine(user, idle_in_transaction=5.0, connections=1)
+    links = pgq.store.member_links(user, "g", "m", idle_in_transaction=5.0)
     try:
         with user.connect() as conn:
             assert conn.exec_driver_sql("SHOW jit").scalar() == "on"
-        with member.connect() as conn:
-            assert conn.exec_driver_sql("SHOW jit").scalar() == "off"
-            timeout = conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar()
-            assert timeout == "5s"
+        for link in (links.session, links.claims, links.work):
+            with link.engine.connect() as conn:
+                assert conn.exec_driver_sql("SHOW jit").scalar() == "off"
+                timeout = conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar()
+                assert timeout == "5s"
     finally:
-        member.dispose()
+        links.close()
         user.dispose()
 
 

@@ -308,8 +308,7 @@ def test_status_names_no_prober_once_its_lock_is_lost(topic, schema, pg_dsn):
     lock = probe_lock(engine, "g")
     try:
         assert lock.acquire()
-        assert lock.conn is not None
-        store.set_prober(lock.conn)
+        lock.run(store.set_prober)
         assert pgq.status(engine, "g")["breaker"]["prober"] == "lonely"
         (pid,) = lock_backends(engine, pg_dsn, schema)
         terminate(pg_dsn, pid)

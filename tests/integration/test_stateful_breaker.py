@@ -972,8 +972,7 @@ class BreakerMachine(RuleBasedStateMachine):
         expected = not any(p.holds for p in self.procs.values())
         assert won == expected, f"{proc} won the probe lock: {won}, expected {expected}"
         if won:
-            assert proc.probe.conn is not None
-            proc.store.set_prober(proc.probe.conn)
+            proc.probe.run(proc.store.set_prober)
             proc.leading = proc.holds = True
             proc.turns = 0
             note("prober elected" if view.state == "OPEN" else "reconciler elected")
@@ -1230,8 +1229,7 @@ class BreakerMachine(RuleBasedStateMachine):
     def _lose_lock(self, proc: Proc) -> None:
         """The prober's lock session dies under it (its connection dropped); the prober
         finds out at its next lock check, and another member can be elected."""
-        assert proc.probe.conn is not None
-        pid = proc.probe.conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+        pid = proc.probe.run(lambda c: c.execute(text("SELECT pg_backend_pid()")).scalar_one())
         self.reader.execute(text("SELECT pg_terminate_backend(:pid, 10000)"), {"pid": pid})
         proc.holds = False
         note("probe lock lost" + (" mid-probe" if proc.probing else ""))

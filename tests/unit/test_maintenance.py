@@ -25,7 +25,7 @@ from pgq.consumer.workers import Workers
 from pgq.errors import DatabaseUnavailable, LockNotAvailable, TransactionConflict
 from pgq.records import Claimed, Message
 from pgq.settings import Settings
-from pgq.store import GroupStore
+from pgq.store import GroupStore, Link, MemberLinks
 
 WAIT = 10.0
 """Bound on every wait for a real thread."""
@@ -39,10 +39,13 @@ class Clock:
         return self.now
 
 
+ROLES = ("session", "claims", "work")
+
+
 def member(handler=lambda m: None, **settings: object) -> Member:
     s = Settings(**settings)  # type: ignore[arg-type]
     return Member(
-        engine=create_engine("postgresql+psycopg://"),
+        links=MemberLinks(*(Link(create_engine("postgresql+psycopg://"), r) for r in ROLES)),
         settings=s,
         store=GroupStore(1, "g", "t", "me", s.lease, s.max_reclaims),
         handling=Handling(handler, make_classifier(None), s),
