@@ -81,6 +81,7 @@ ENV_PREFIX = "PGQ_"
 RESERVED_ENV_VARS: frozenset[str] = frozenset(
     {
         "PGQ_DSN",
+        "PGQ_SESSION_DSN",
         "PGQ_HOME",
         "PGQ_SCHEMA",
         "PGQ_CONFIG",

@@ -176,6 +176,7 @@ class State:
     """What the group-level options decided; the engine and settings are made lazily."""
 
     dsn: str | None = None
+    session_dsn: str | None = None
     config: str | None = None
     schema: str | None = None
     _engine: Engine | None = field(default=None, repr=False)
@@ -185,7 +186,9 @@ class State:
     def engine(self) -> Engine:
         """The engine for this invocation (created on first use, disposed on exit)."""
         if self._engine is None:
-            self._engine = connect(cli_dsn(self.dsn), schema=self.schema)
+            self._engine = connect(
+                cli_dsn(self.dsn), schema=self.schema, session_dsn=cli_dsn(self.session_dsn)
+            )
         return self._engine
 
     @property
@@ -244,6 +247,13 @@ def emit(data: Any, as_json: bool, human: Callable[[Any], Iterable[str]]) -> Non
     help="libpq URL or key=value string [env PGQ_DSN; default: the embedded server]",
 )
 @click.option(
+    "--session-dsn",
+    envvar="PGQ_SESSION_DSN",
+    metavar="DSN",
+    help="where a consumer's session connection goes (liveness and probe locks, LISTEN)"
+    " when --dsn is a pooler in transaction mode [env PGQ_SESSION_DSN; default: --dsn]",
+)
+@click.option(
     "--config",
     envvar="PGQ_CONFIG",
     metavar="FILE",
@@ -271,6 +281,7 @@ def emit(data: Any, as_json: bool, human: Callable[[Any], Iterable[str]]) -> Non
 def cli(
     ctx: click.Context,
     dsn: str | None,
+    session_dsn: str | None,
     config: str | None,
     schema: str | None,
     verbose: int,
@@ -279,7 +290,12 @@ def cli(
 ) -> None:
     """pgq: a PostgreSQL message queue whose consumer groups share a circuit breaker."""
     configure_logging(verbose, log_level, log_format.lower())
-    state = State(dsn=dsn or None, config=config or None, schema=schema or None)
+    state = State(
+        dsn=dsn or None,
+        session_dsn=session_dsn or None,
+        config=config or None,
+        schema=schema or None,
+    )
     ctx.obj = state
     ctx.call_on_close(state.close)
 
