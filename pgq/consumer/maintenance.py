@@ -103,7 +103,7 @@ class Maintenance(Role):
         self.conn = RoleConnection(
             member.links.work, "maintenance", self.finish, lock_timeout=HOUSEKEEPING_LOCK_TIMEOUT
         )
-        self.vacuum_conn = RoleConnection(member.links.work, "vacuum", self.finish)
+        self.vacuum_conn = RoleConnection(member.links.claims, "vacuum", self.finish)
         self._vacuuming: threading.Thread | None = None
         self.tasks: list[Task] = []
         self._retention_cut = False
@@ -164,9 +164,10 @@ class Maintenance(Role):
 
     def vacuum(self) -> None:
         """VACUUM `delivery` when dead row versions dominate it, on a thread of its
-        own: a VACUUM may take longer than the lease. Lease extension goes on
-        meanwhile (the heartbeat's, on the session connection); outcomes and this
-        thread's tasks wait their turn on the `work` connection (decision 0027)."""
+        own, on the claims connection: a VACUUM may take longer than the lease.
+        Lease extension (the session connection's), outcomes and housekeeping (the
+        `work` connection's) go on meanwhile; the member claims nothing until it
+        ends (decision 0027)."""
         if self._vacuuming is not None and self._vacuuming.is_alive():
             return
         self._vacuuming = threading.Thread(target=self._vacuum, name="pgq-vacuum", daemon=True)

@@ -71,7 +71,18 @@ IDLE_SESSION_TIMEOUT_SINCE = 140000
 """The first server version (`server_version_num`) with `idle_session_timeout`."""
 
 CLOSE_WAIT = 1.0
-"""Seconds `Link.close` waits for a role's statement before cancelling it."""
+"""Seconds `Link.close` waits for a role's statement before leaving it to the role."""
+
+TURN_CHECK = 0.05
+"""Seconds between a waiting role's looks at its stop event."""
+
+RECONNECT_EVERY = 0.5
+"""Seconds between a listener's tries to open its session again after losing it."""
+
+
+class LinkBusy(DatabaseUnavailable):
+    """A stopping role gave up waiting for its link (another role's statement held it)."""
+
 
 KEEP_SHARE = 1 / 3
 """A lock whose session ends when idle is touched at least this often (share of the limit)."""
@@ -96,6 +107,11 @@ class Link:
         """How many sessions this link has opened: a lock taken in an earlier one is gone."""
         self.running: str | None = None
         """The role whose transaction runs now (what `cancel` would stop)."""
+        self.closing = False
+        """`close` was asked for: the role whose turn outlasted it closes the link."""
+        self._cancelling = threading.Lock()
+        """Held while a cancel request is in flight: the role it targets cannot end
+        its turn meanwhile, so the request never reaches the next role's statement."""
         self._hooks: list[Callable[[Connection], None]] = []
 
     def connection(self) -> Connection:
@@ -141,38 +157,56 @@ class Link:
 
     def close(self, wait: float = CLOSE_WAIT) -> None:
         """Close the connection (a caller's engine gets it back in its pool). A role
-        whose statement still runs after `wait` seconds (a write stuck behind a
-        lock, at the end of a shutdown that gave up on it) has it cancelled; if even
-        that does not free the link, the connection is left to its role."""
+        whose statement still runs after `wait` seconds (an outcome write stuck
+        behind a lock, at the end of a shutdown that gave up on it) is left to
+        finish it, never cancelled (a cancelled outcome write would read as the
+        database refusing it): the role closes the link once it is done."""
         if not self.lock.acquire(timeout=wait):
-            running = self.running
-            if running is not None:
-                self.cancel(running, timeout=wait)
-            if not self.lock.acquire(timeout=wait):
-                logger.warning("connection still busy at close role=%s", running)
-                return
+            self.closing = True
+            logger.warning("connection still busy at close role=%s", self.running)
+            return
         try:
-            conn, self.conn = self.conn, None
-            if conn is not None:
-                with contextlib.suppress(Exception):
-                    conn.close()
-            if self.owned:
-                self.engine.dispose()
+            self._close()
         finally:
             self.lock.release()
+
+    def _close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+        if self.owned:
+            self.engine.dispose()
+
+    def leave(self) -> None:
+        """A role's turn ends (call with `lock` held): close the link if `close` was
+        asked for while the turn went on."""
+        with self._cancelling:
+            self.running = None
+        if self.closing:
+            self.closing = False
+            self._close()
+
+    def take_turn(self, stop: threading.Event) -> None:
+        """Wait for the link (`lock`), giving up with `LinkBusy` once `stop` is set:
+        a stopping role must not wait out another role's stuck statement."""
+        while not self.lock.acquire(timeout=TURN_CHECK):
+            if stop.is_set():
+                raise LinkBusy(f"the {self.role} connection is busy (role={self.running})")
 
     def cancel(self, role: str, timeout: float = 5.0) -> None:
         """Ask the server to cancel the statement `role` runs on this link, if it runs
         one now (from another thread; never another role's). The request opens a
         connection of its own and may wait up to `timeout` seconds: callers that must
         not wait run it on a thread of its own."""
-        conn = self.conn
-        if conn is None or self.running != role:
-            return
-        with contextlib.suppress(Exception):
-            driver = conn.connection.driver_connection
-            if driver is not None and self.running == role:
-                driver.cancel_safe(timeout=timeout)
+        with self._cancelling:  # `role`'s turn cannot end before the request is in
+            conn = self.conn
+            if conn is None or self.running != role:
+                return
+            with contextlib.suppress(Exception):
+                driver = conn.connection.driver_connection
+                if driver is not None:
+                    driver.cancel_safe(timeout=timeout)
 
 
 def private_link(engine: Engine, role: str) -> Link:
@@ -180,6 +214,35 @@ def private_link(engine: Engine, role: str) -> Link:
     LISTEN made from an engine: one session that lives as long as the link)."""
     own = connect(conninfo_of(engine), schema=schema_of(engine), pool_size=None)
     return Link(own, role, owned=True)
+
+
+NAME_BYTES = 63
+"""What PostgreSQL keeps of an `application_name`."""
+
+TAIL = 10
+"""Characters kept from the end of a member name cut to fit (a default name ends in
+`pid:xxxx`: what tells two processes of one host apart)."""
+
+
+def application_name(group: str, member: str, role: str) -> str:
+    """`pgq/<group>/<member>/<role>` in PostgreSQL's 63 bytes: the role is always
+    whole (it says which connection this is); a group name is cut to 20 bytes, then
+    the member name loses its middle (`~` marks the cut), so its start (the host)
+    and its end (pid and token) stay."""
+    name = f"pgq/{group}/{member}/{role}"
+    if len(name.encode()) <= NAME_BYTES:
+        return name
+    group = _cut(group, 20)
+    room = NAME_BYTES - len(f"pgq/{group}//{role}".encode())
+    if len(member.encode()) > room:
+        tail = member[-TAIL:]
+        member = _cut(member, room - len(tail.encode()) - 1) + "~" + tail
+    return _cut(f"pgq/{group}/{member}/{role}", NAME_BYTES)
+
+
+def _cut(text: str, most: int) -> str:
+    """`text` cut to at most `most` bytes of UTF-8, never inside a character."""
+    return text.encode()[: max(0, most)].decode(errors="ignore")
 
 
 @dataclass(frozen=True)
@@ -198,15 +261,15 @@ class MemberLinks:
 def member_links(
     engine: Engine, group: str, member: str, *, idle_in_transaction: float
 ) -> MemberLinks:
-    """The links a member runs on, each named `pgq/<group>/<member>/<role>` (cut to
-    the 63 bytes PostgreSQL keeps), on the server and schema of `engine`; the
+    """The links a member runs on, each named `pgq/<group>/<member>/<role>`
+    (`application_name`), on the server and schema of `engine`; the
     session on `engine`'s `session_dsn` when it has one (see `session_options`)."""
     schema = schema_of(engine)
     direct = session_conninfo_of(engine)
     pooled = direct != conninfo_of(engine)
 
     def link(role: str) -> Link:
-        name = f"pgq/{group}/{member}/{role}"
+        name = application_name(group, member, role)
         conninfo, extra = session_options(
             direct if role == "session" else conninfo_of(engine),
             application_name=name,
@@ -254,22 +317,23 @@ class RoleConnection:
         """`fn(conn, *args)` in one transaction on this role's connection (`single`:
         `fn` runs one hot statement, which commits by itself; no lock timeout)."""
         link = self.link
-        with link.lock:
-            try:
-                with wrap_errors():
-                    conn = link.connection()
-                    link.running = self.role
-                    if single:
-                        return _autocommitted(conn, fn, *args)
-                    with conn.begin():
-                        if self._lock_ms is not None:
-                            conn.execute(lock_timeout(), {"ms": self._lock_ms})
-                        return fn(conn, *args)
-            except DatabaseUnavailable:
-                link.discard()
-                raise
-            finally:
-                link.running = None
+        link.take_turn(self.stop)
+        try:
+            with wrap_errors():
+                conn = link.connection()
+                link.running = self.role
+                if single:
+                    return _autocommitted(conn, fn, *args)
+                with conn.begin():
+                    if self._lock_ms is not None:
+                        conn.execute(lock_timeout(), {"ms": self._lock_ms})
+                    return fn(conn, *args)
+        except DatabaseUnavailable:
+            link.discard()
+            raise
+        finally:
+            link.leave()
+            link.lock.release()
 
     def retrying(self, fn: Callable[..., T], *args: Any, single: bool = False) -> T:
         """`run(fn, *args)`, retried with backoff while the database is unavailable.
@@ -564,6 +628,8 @@ class Listener:
         self._hooked = False
         self._seen = 0
         """The link's session in which this listener last looked."""
+        self._failing = False
+        """The last look found no session (logged once, until one is back)."""
 
     def _listen(self, conn: Connection) -> None:
         conn.exec_driver_sql(
@@ -584,13 +650,20 @@ class Listener:
                     conn = link.connection()
                     if self._seen != link.generation:
                         self._seen = link.generation
-                        return True
-                    driver = cast(psycopg.Connection[Any], conn.connection.driver_connection)
-                    return any(n.payload == self.topic for n in driver.notifies(timeout=0))
+                        heard = True
+                    else:
+                        driver = cast(psycopg.Connection[Any], conn.connection.driver_connection)
+                        heard = any(n.payload == self.topic for n in driver.notifies(timeout=0))
             except (DatabaseUnavailable, psycopg.Error) as exc:
                 link.discard()
-                logger.warning("listen unavailable, polling instead error=%s", exc)
+                if not self._failing:
+                    logger.warning("listen unavailable, polling instead error=%s", exc)
+                self._failing = True
                 return None
+        if self._failing:
+            logger.info("listen available again")
+            self._failing = False
+        return heard
 
     def _socket(self) -> int | None:
         conn = self.link.conn
@@ -616,9 +689,9 @@ class Listener:
             if left <= 0:
                 return False
             fd = self._socket() if heard is not None else None
-            if fd is None:
-                stop.wait(left)
-                return False
+            if fd is None:  # the session is gone: open it again soon, LISTEN with it
+                stop.wait(min(left, RECONNECT_EVERY))
+                continue
             try:  # another role's statement wakes this too: the next look waits for it
                 select.select([fd], [], [], min(left, STOP_CHECK))
             except (OSError, ValueError):

@@ -149,8 +149,7 @@ def session_options(
     conninfo: str, *, application_name: str, idle_in_transaction: float, pooled: bool
 ) -> tuple[str, dict[str, Any]]:
     """The connection string and driver arguments of one of a consumer member's
-    connections: `conninfo` named `application_name` (cut to the 63 bytes
-    PostgreSQL keeps).
+    connections: `conninfo` named `application_name`.
 
     A direct session ends any transaction left idle for `idle_in_transaction`
     seconds (`idle_in_transaction_session_timeout`): a member process paused
@@ -172,7 +171,7 @@ def session_options(
     transactions.
     """
     params = psycopg.conninfo.conninfo_to_dict(conninfo)
-    params["application_name"] = application_name.encode()[:63].decode(errors="ignore")
+    params["application_name"] = application_name
     if pooled:
         return psycopg.conninfo.make_conninfo("", **params), {"prepare_threshold": None}
     timeout = f"-c idle_in_transaction_session_timeout={max(1, round(idle_in_transaction * 1000))}"

@@ -146,3 +146,41 @@ def test_the_probe_lock_and_the_liveness_lock_share_the_session_connection(order
 
 def _always_down(msg: pgq.Message) -> None:
     raise ConnectionError("the dependency is down")
+
+
+def test_a_cancel_aimed_at_one_role_never_reaches_the_next_roles_statement(engine: Engine):
+    """Stopping a member cancels its VACUUM on the claims connection (decision 0027);
+    found in a cron run of the suite: the request landed on the final pass's
+    statement that followed the VACUUM on that connection, and the run failed with
+    "canceling statement due to user request". A cancel now holds the role's turn
+    until the request is in."""
+    from sqlalchemy import text
+
+    from pgq.errors import PgqError
+    from pgq.store import Link, RoleConnection
+
+    link = Link(engine, "claims")
+    stop = threading.Event()
+    vacuum = RoleConnection(link, "vacuum", stop)
+    final = RoleConnection(link, "final", stop)
+    cancelled = {"vacuum": 0, "final": 0}
+
+    def cancel_vacuum() -> None:
+        while not stop.is_set():
+            vacuum.cancel()
+
+    canceller = threading.Thread(target=cancel_vacuum, daemon=True)
+    canceller.start()
+    try:
+        for _ in range(150):
+            for role in (vacuum, final):
+                try:
+                    role.run(lambda conn: conn.execute(text("SELECT pg_sleep(0.002)")))
+                except PgqError:
+                    cancelled[role.role] += 1
+    finally:
+        stop.set()
+        canceller.join(10)
+        link.close()
+    assert cancelled["vacuum"] > 0, "the cancels never reached the vacuum: the test saw nothing"
+    assert cancelled["final"] == 0, cancelled
