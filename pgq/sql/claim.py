@@ -242,10 +242,16 @@ def lease_picked(pick: Any, bodies: bool = True) -> Executable:
 
 @cache
 def extend_leases() -> Executable:
-    """Push the expiry of the leases `:ids`/`:seqs` still held by `:member` to now + `:lease`."""
+    """Push the expiry of the leases `:ids`/`:seqs` still held by `:member` to now +
+    `:lease`, skipping rows another session holds a lock on: one row locked by an
+    outside transaction (an operator's open `FOR UPDATE`) made the whole statement
+    wait for its lock until `lock_timeout` and fail, every period, and the leases of
+    the member's other rows, handlers still running, expired (reclaimed and run
+    twice). A skipped row is tried again at the next period."""
+    held = select(d.c.message_id).where(fenced()).with_for_update(skip_locked=True).cte("held")
     return (
         update(d)
-        .where(fenced())
+        .where(d.c.group_id == bindparam("gid"), d.c.message_id == held.c.message_id)
         .values(lease_expires_at=func.now() + bindparam("lease", type_=Interval))
         .returning(d.c.message_id, d.c.lease_seq)
     )
