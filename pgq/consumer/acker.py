@@ -34,26 +34,25 @@ class Acker(Role):
 
     def __init__(self, member: Member) -> None:
         super().__init__(member, "pgq-acker")
-        self.outcomes: queue.SimpleQueue[list[Outcome] | None] = queue.SimpleQueue()
-        """Outcomes as workers hand them over, a list at a time (None: look again)."""
+        self.outcomes: queue.SimpleQueue[Outcome | None] = queue.SimpleQueue()
         self.finish = threading.Event()
         """Set once no more outcomes will come: flush and leave."""
         self.unwritten = 0
 
-    def submit(self, outcomes: list[Outcome]) -> None:
-        """Queue outcomes for the next batch."""
-        self.outcomes.put(outcomes)
+    def submit(self, outcome: Outcome) -> None:
+        """Queue an outcome for the next batch."""
+        self.outcomes.put(outcome)
 
     def take_queued(self) -> list[Outcome]:
         """Remove and return the outcomes not yet taken for a batch (for `abort`)."""
         taken: list[Outcome] = []
         while True:
             try:
-                outcomes = self.outcomes.get_nowait()
+                outcome = self.outcomes.get_nowait()
             except queue.Empty:
                 return taken
-            if outcomes is not None:
-                taken.extend(outcomes)
+            if outcome is not None:
+                taken.append(outcome)
 
     def stop(self) -> None:
         """No more outcomes will come: write what is queued, then leave."""
@@ -76,7 +75,7 @@ class Acker(Role):
                         if self.finish.is_set() and self.outcomes.empty():
                             return
                         continue
-                    pending.extend(first)
+                    pending.append(first)
                 linger_until = time.monotonic() + LINGER
                 while len(pending) < batch_size:
                     left = linger_until - time.monotonic()
@@ -86,12 +85,11 @@ class Acker(Role):
                         more = None
                     if more is None:
                         break
-                    pending.extend(more)
+                    pending.append(more)
                 try:
                     applied = self._write(conn, pending)
                 except DatabaseUnavailable:
-                    with m.lock:  # those taken for this batch and those still queued
-                        self.unwritten = m.outcomes_pending
+                    self.unwritten = len(pending) + self.outcomes.qsize()
                     logger.error("outcomes not written count=%d (database away)", self.unwritten)
                     return
                 self._settle(pending, applied)

@@ -204,25 +204,22 @@ class Member:
             else:
                 t.retried -= 1
 
-    def count_outcomes(self, outcomes: list[Outcome], pending: bool = True) -> None:
-        """Count finished attempts and snoozes; `pending`: the acker still has to
-        write them."""
+    def count_outcome(self, outcome: Outcome, pending: bool = True) -> None:
+        """Count a finished attempt or snooze; `pending`: the acker still has to write it."""
         with self.lock:
-            t = self.tally
             if pending:
-                self.outcomes_pending += len(outcomes)
-            for outcome in outcomes:
-                if outcome.kind == "snooze":
-                    t.retried += 1
-                    continue
-                t.handled += 1
-                if outcome.kind == "done":
-                    t.done += 1
-                elif outcome.kind == "dead":
-                    t.dead += 1
-                else:
-                    t.retried += 1
-            reached = self.max_messages is not None and t.handled >= self.max_messages
+                self.outcomes_pending += 1
+            if outcome.kind == "snooze":
+                self.tally.retried += 1
+                return
+            self.tally.handled += 1
+            if outcome.kind == "done":
+                self.tally.done += 1
+            elif outcome.kind == "dead":
+                self.tally.dead += 1
+            else:
+                self.tally.retried += 1
+            reached = self.max_messages is not None and self.tally.handled >= self.max_messages
         if reached:
             self.request_stop("max_messages")
 

@@ -56,35 +56,18 @@ class ClaimPool(Generic[T]):
 
     def take(self, timeout: float) -> T | None:
         """The oldest row, waiting up to `timeout`; None when empty or closed."""
-        rows = self.take_many(1, timeout)
-        return rows[0] if rows else None
-
-    def take_many(self, most: int, timeout: float) -> list[T]:
-        """Up to `most` of the oldest rows, waiting up to `timeout` for the first;
-        empty when none came or the pool is closed."""
         with self._filled:
             if not self._items and not self._closed:
                 self._filled.wait(timeout)
+            if not self._items or self._closed:
+                return None
+            item = self._items.popleft()[1]
             items = self._items
-            if not items or self._closed:
-                return []
-            was_free = self.capacity - len(items)
-            taken = [items.popleft()[1] for _ in range(min(most, len(items)))]
             if items and time.monotonic() - items[0][0] >= HANDOFF_LAG:
                 self._filled.notify()
-            if was_free < self._want <= self.capacity - len(items):
+            if self.capacity - len(items) == self._want:
                 self._emptied.notify()
-            return taken
-
-    def give_back(self, rows: list[T]) -> None:
-        """Put rows a worker took but will not start now back at the head, in order
-        (the next taker gets them first; they count as waiting since now)."""
-        if not rows:
-            return
-        now = time.monotonic()
-        with self._filled:
-            self._items.extendleft((now, row) for row in reversed(rows))
-            self._filled.notify()
+            return item
 
     def wait_for_space(self, want: int, timeout: float) -> int:
         """Wait until at least `want` slots are free (or `timeout`); return the free slots.

@@ -250,7 +250,7 @@ class Prober(Role):
                 written = self.conn.retrying(m.store.record_probe, outcome, s.max_attempts)
         finally:
             m.let_go([row.lease])
-        m.count_outcomes([outcome], pending=False)
+        m.count_outcome(outcome, pending=False)
         if not written:
             logger.warning("probe outcome refused id=%d (lease lost)", row.id)
             m.count_refused(outcome)

@@ -157,8 +157,6 @@ class Runtime:
         m = self.member
         store, ttl = m.store, m.settings.breaker_member_ttl
         try:
-            # rows workers took and gave back as the pool shut, after the fetcher's release
-            self.fetcher.release(m.pool.drain() + m.take_deferred())
             self.conn.run(store.advance_frontier)
             self.maintenance.final_retention(deadline - time.monotonic())
             self.conn.run(store.leave)
