@@ -23,6 +23,7 @@ from collections.abc import Callable
 from fractions import Fraction
 from typing import Literal
 
+from pgq import records
 from pgq.backoff import capped_exponential, jitter
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
 ]
 
 BreakerState = Literal["open", "closed"]
+"""A local breaker's state: the values of `pgq.records.LocalBreakerState`."""
 ProbeOutcome = Literal["success", "systemic", "inconclusive"]
 _OUTCOMES: frozenset[str] = frozenset(("success", "systemic", "inconclusive"))
 
@@ -278,7 +280,7 @@ def pending_scope(
     the owed range; otherwise None: nothing is pending and dead systemic rows
     are real dead letters. Mirrors `pgq.sql.breaker.close` and `reconcile_batch`.
     """
-    if state == "OPEN":
+    if state == records.BreakerState.OPEN:
         start = epoch - 1
         if reconcile_epoch is not None and reconcile_from is not None:
             start = min(start, reconcile_from)

@@ -37,7 +37,7 @@ from sqlalchemy import Engine
 
 from pgq.consumer import PROBE_THREAD, Consumer
 from pgq.monitor import DEFAULT_MAX_REFUNDS, breaker_info, check, dead, status
-from pgq.records import Message
+from pgq.records import BreakerState, LocalBreakerState, Message
 from pgq.store import (
     connect,
     create_topic,
@@ -310,15 +310,15 @@ class _Narrator:
     def tick(self, t: float, s: dict[str, Any]) -> bool:
         """One look at status `s` at `t` seconds; True once the story is over."""
         story, b = self.story, s["breaker"]
-        if self.cut_at is not None and self.open_epoch is None and b["state"] == "OPEN":
+        if self.cut_at is not None and self.open_epoch is None and b["state"] == BreakerState.OPEN:
             self.open_epoch, self.opened = b["epoch"], time.monotonic()
-            tripped = sum(1 for m in s["members"] if m["local_breaker"] == "open")
+            tripped = sum(1 for m in s["members"] if m["local_breaker"] == LocalBreakerState.OPEN)
             self.say(
                 t,
                 f"group breaker OPEN (epoch {self.open_epoch}): {tripped} of"
                 f" {len(s['members'])} members tripped; nobody claims, unstarted rows released",
             )
-        if b["state"] == "OPEN" and b["prober"] and b["prober"] not in self.elected:
+        if b["state"] == BreakerState.OPEN and b["prober"] and b["prober"] not in self.elected:
             self.elected.add(b["prober"])
             self.say(t, f"prober elected: {b['prober']} holds the probe lock")
         while not story.events.empty():
@@ -337,7 +337,11 @@ class _Narrator:
             self.say(t, "dependency DOWN: every call now raises ConnectionError")
         if self.open_epoch is not None and self.restored_at is None:
             self._while_open(t, s)
-        if self.restored_at is not None and self.close_epoch is None and b["state"] == "CLOSED":
+        if (
+            self.restored_at is not None
+            and self.close_epoch is None
+            and b["state"] == BreakerState.CLOSED
+        ):
             self.close_epoch = b["epoch"]
             self.say(t, f"group breaker CLOSED (epoch {self.close_epoch}) by the prober")
         if self.close_epoch is not None and not self.refunded:
@@ -406,7 +410,7 @@ def _run(engine: Engine, out: Out, messages: int, poison: int, pace: Pace) -> De
 
     final = status(engine, GROUP, member_ttl=ttl)
     info = breaker_info(engine, GROUP, history_limit=100)
-    refunded = sum(h["refunded"] for h in info["history"] if h["state"] == "CLOSED")
+    refunded = sum(h["refunded"] for h in info["history"] if h["state"] == BreakerState.CLOSED)
     dead_rows = dead(engine, GROUP, limit=len(story.poison_ids) + 100)
     unexpected = [r["message_id"] for r in dead_rows if r["message_id"] not in story.poison_ids]
     if problem is None:
@@ -428,9 +432,11 @@ def _run(engine: Engine, out: Out, messages: int, poison: int, pace: Pace) -> De
         dead=final["counts"]["dead"],
         refunded=refunded,
         pending_peak=narrator.pending_peak,
-        time_to_open=_seconds(narrator.cut_at, _history_at(info, "OPEN", narrator.open_epoch)),
+        time_to_open=_seconds(
+            narrator.cut_at, _history_at(info, BreakerState.OPEN, narrator.open_epoch)
+        ),
         time_to_close=_seconds(
-            narrator.restored_at, _history_at(info, "CLOSED", narrator.close_epoch)
+            narrator.restored_at, _history_at(info, BreakerState.CLOSED, narrator.close_epoch)
         ),
         probes=narrator.probes,
         probers=tuple(narrator.probers),
@@ -443,7 +449,7 @@ def _run(engine: Engine, out: Out, messages: int, poison: int, pace: Pace) -> De
 
 def _refunded(engine: Engine) -> int:
     info = breaker_info(engine, GROUP, history_limit=100)
-    return sum(h["refunded"] for h in info["history"] if h["state"] == "CLOSED")
+    return sum(h["refunded"] for h in info["history"] if h["state"] == BreakerState.CLOSED)
 
 
 def _secs(value: float | None) -> str:

@@ -22,6 +22,7 @@ from sqlalchemy import Engine
 
 from pgq.breaker import pending_scope
 from pgq.errors import UsageError
+from pgq.records import BreakerState, RowState
 from pgq.settings import DEFAULTS
 from pgq.store import admin, inspect
 
@@ -100,9 +101,9 @@ def _breaker(row: Any, prober: str | None) -> dict[str, Any]:
         "state": state,
         "since": iso(row.breaker_since),
         # only an open group has a prober; a name left behind after a close is stale
-        "prober": prober if state == "OPEN" else None,
+        "prober": prober if state == BreakerState.OPEN else None,
         "epoch": int(row.breaker_epoch),
-        "next_probe_at": iso(row.breaker_next_probe_at) if state == "OPEN" else None,
+        "next_probe_at": iso(row.breaker_next_probe_at) if state == BreakerState.OPEN else None,
         # a close's refunds still owed: its dead rows are not all dead letters yet
         "reconciling": row.breaker_reconcile_epoch is not None,
     }
@@ -315,7 +316,7 @@ def check_verdict(
     pending = dead["pending"]  # zero unless a reconciliation is coming or owed
     real = dead["dead"] - pending
     notes = []
-    if state == "OPEN":
+    if state == BreakerState.OPEN:
         notes.append(f"breaker open, {pending} dead rows pending reconciliation")
     elif reconciling:
         owed = pending + dead["pending_ready"]
@@ -430,7 +431,7 @@ def message(engine: Engine, group: str, message_id: int) -> dict[str, Any]:
     elif row.purge_audit_id is not None:
         left, state = "purged", "purged"
     else:
-        left, state = "pruned", "done"
+        left, state = "pruned", RowState.DONE.value
     purge = None
     if left == "purged":
         purge = {

@@ -3,18 +3,75 @@
 `Message` and `RunSummary` are public (handlers and callers see them); the
 others travel between the store and the consumer's threads. This module
 imports nothing from pgq, so any layer may use it.
+
+It also holds pgq's one vocabulary: the words stored in the database and shown
+in the JSON (DESIGN §7), each spelled once here as a `str` enum. A member *is*
+its plain string (`==`, hashing, `str()`, f-strings and `json.dumps` all give
+the value), so callers and readers that hold plain strings keep working.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Literal, NamedTuple
 
 StopReason = Literal["empty", "max_messages", "max_runtime", "signal", "breaker_open"]
 """Why a run ended. `signal`: asked to stop from outside (SIGTERM/SIGINT, `stop()`)."""
 
-OutcomeKind = Literal["done", "retry", "dead", "snooze"]
+
+class _Word(str, Enum):
+    """A word of pgq's vocabulary: a `str` whose `str()` and format are its value
+    (`enum.StrEnum` without needing Python 3.11)."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+
+class BreakerState(_Word):
+    """The group breaker's state (`breaker.state`, DESIGN §6.2; `breaker.state` in
+    the JSON). The order is the one of the table's CHECK constraint."""
+
+    CLOSED = "CLOSED"
+    OPEN = "OPEN"
+
+
+class LocalBreakerState(_Word):
+    """A member's local breaker (`member.local_breaker`, DESIGN §6.1): the values of
+    `pgq.breaker.BreakerState`. The order is the one of the table's CHECK constraint."""
+
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class RowState(_Word):
+    """A delivery row's state (`delivery.state`)."""
+
+    READY = "ready"
+    LEASED = "leased"
+    DONE = "done"
+    DEAD = "dead"
+
+
+class ErrorClass(_Word):
+    """Why an attempt failed (`delivery.error_class`): the three classifications of
+    `pgq.classify.Classification`, and `lease` for a row that died of expired leases."""
+
+    SYSTEMIC = "systemic"
+    MESSAGE = "message"
+    PERMANENT = "permanent"
+    LEASE = "lease"
+
+
+class OutcomeKind(_Word):
+    """What an attempt's outcome writes: done, a retry, dead, or a snooze (a retry
+    that charges no attempt)."""
+
+    DONE = "done"
+    RETRY = "retry"
+    DEAD = "dead"
+    SNOOZE = "snooze"
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
 from sqlalchemy.types import UserDefinedType
 
+from pgq.records import BreakerState, ErrorClass, LocalBreakerState, RowState
+
 SCHEMA_PLACEHOLDER = "pgq"
 """The schema name the tables are declared in; translated at run time."""
 
@@ -53,6 +55,16 @@ def _tstz() -> TIMESTAMP:
 
 def _now_column(name: str) -> Column[Any]:
     return Column(name, _tstz(), nullable=False, server_default=func.now())
+
+
+def _word(word: str) -> str:
+    """`word` as an SQL string literal: `'ready'`."""
+    return f"'{word}'"
+
+
+def _one_of(column: str, *words: str) -> str:
+    """A CHECK expression: `column IN ('a', 'b')`, the words in the order given."""
+    return f"{column} IN ({', '.join(_word(w) for w in words)})"
 
 
 def _counter(name: str) -> Column[Any]:
@@ -133,7 +145,7 @@ delivery = Table(
     # advances in (xid, id) order (on Citus a trigger sets it on the shard: the
     # default is evaluated on the coordinator; schema version 4)
     Column("xid", XID8(), nullable=False, server_default=text("pg_current_xact_id()")),
-    Column("state", Text, nullable=False, server_default=text("'ready'")),
+    Column("state", Text, nullable=False, server_default=text(_word(RowState.READY))),
     Column("available_at", _tstz(), nullable=False, server_default=func.now()),
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column("reclaims", Integer, nullable=False, server_default=text("0")),
@@ -151,9 +163,9 @@ delivery = Table(
     Column("error_epoch", Integer),
     _now_column("updated_at"),
     PrimaryKeyConstraint("group_id", "message_id"),
-    CheckConstraint("state IN ('ready', 'leased', 'done', 'dead')", name="delivery_state_check"),
+    CheckConstraint(_one_of("state", *RowState), name="delivery_state_check"),
     CheckConstraint(
-        "error_class IS NULL OR error_class IN ('systemic', 'message', 'permanent', 'lease')",
+        "error_class IS NULL OR " + _one_of("error_class", *ErrorClass),
         name="delivery_error_class_check",
     ),
     # room on each page, so lease extensions (no indexed column) can be HOT updates;
@@ -173,14 +185,14 @@ Index(
     delivery.c.group_id,
     delivery.c.available_at,
     delivery.c.message_id,
-    postgresql_where=delivery.c.state == "ready",
+    postgresql_where=delivery.c.state == RowState.READY.value,
 )
 # lease sweep: leased rows of one group by expiry
 Index(
     "delivery_leased_idx",
     delivery.c.group_id,
     delivery.c.lease_expires_at,
-    postgresql_where=delivery.c.state == "leased",
+    postgresql_where=delivery.c.state == RowState.LEASED.value,
 )
 # frontier: rows of one group in commit order
 Index("delivery_frontier_idx", delivery.c.group_id, delivery.c.xid, delivery.c.message_id)
@@ -210,19 +222,23 @@ member = Table(
     Column("pid", Integer, nullable=False),
     _now_column("started_at"),
     _now_column("last_seen"),
-    Column("local_breaker", Text, nullable=False, server_default=text("'closed'")),
+    Column(
+        "local_breaker", Text, nullable=False, server_default=text(_word(LocalBreakerState.CLOSED))
+    ),
     # the group epoch under which the local breaker last tripped
     Column("tripped_epoch", Integer),
     Column("left_at", _tstz()),
     PrimaryKeyConstraint("group_id", "name"),
-    CheckConstraint("local_breaker IN ('open', 'closed')", name="member_local_breaker_check"),
+    CheckConstraint(
+        _one_of("local_breaker", *LocalBreakerState), name="member_local_breaker_check"
+    ),
 )
 
 breaker = Table(
     "breaker",
     metadata,
     Column("group_id", Integer, ForeignKey("pgq.consumer_group.id"), primary_key=True),
-    Column("state", Text, nullable=False, server_default=text("'CLOSED'")),
+    Column("state", Text, nullable=False, server_default=text(_word(BreakerState.CLOSED))),
     _now_column("since"),
     Column("epoch", Integer, nullable=False, server_default=text("0")),
     Column("next_probe_at", _tstz()),
@@ -231,7 +247,7 @@ breaker = Table(
     # reconciliation still owed for this close epoch (crash-safe resume)
     Column("reconcile_epoch", Integer),
     Column("reconcile_from_epoch", Integer),
-    CheckConstraint("state IN ('CLOSED', 'OPEN')", name="breaker_state_check"),
+    CheckConstraint(_one_of("state", *BreakerState), name="breaker_state_check"),
 )
 
 breaker_history = Table(
@@ -266,7 +282,8 @@ probe = Table(
         "outcome IN ('failed', 'inconclusive', 'succeeded')", name="probe_outcome_check"
     ),
     CheckConstraint(
-        "error_class IS NULL OR error_class IN ('systemic', 'message', 'permanent')",
+        "error_class IS NULL OR "
+        + _one_of("error_class", ErrorClass.SYSTEMIC, ErrorClass.MESSAGE, ErrorClass.PERMANENT),
         name="probe_error_class_check",
     ),
 )
@@ -286,16 +303,17 @@ audit = Table(
     Column("actor", Text, nullable=False),
 )
 
-STATES = ("ready", "leased", "done", "dead")
-ERROR_CLASSES = ("systemic", "message", "permanent", "lease")
+STATES: tuple[str, ...] = tuple(s.value for s in RowState)
+ERROR_CLASSES: tuple[str, ...] = tuple(c.value for c in ErrorClass)
+"""Plain strings (`click.Choice` would read enum members by their names)."""
 
 # State words rendered as SQL literals, not bind parameters: with parameters, a
 # prepared statement's generic plan could not use the partial indexes above.
-READY = literal_column("'ready'", Text)
-LEASED = literal_column("'leased'", Text)
-DONE = literal_column("'done'", Text)
-DEAD = literal_column("'dead'", Text)
-SYSTEMIC = literal_column("'systemic'", Text)
-OPEN = literal_column("'OPEN'", Text)
-CLOSED = literal_column("'CLOSED'", Text)
-LOCAL_OPEN = literal_column("'open'", Text)
+READY = literal_column(_word(RowState.READY), Text)
+LEASED = literal_column(_word(RowState.LEASED), Text)
+DONE = literal_column(_word(RowState.DONE), Text)
+DEAD = literal_column(_word(RowState.DEAD), Text)
+SYSTEMIC = literal_column(_word(ErrorClass.SYSTEMIC), Text)
+OPEN = literal_column(_word(BreakerState.OPEN), Text)
+CLOSED = literal_column(_word(BreakerState.CLOSED), Text)
+LOCAL_OPEN = literal_column(_word(LocalBreakerState.OPEN), Text)

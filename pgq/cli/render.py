@@ -22,6 +22,8 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ParamSpec
 
+from pgq.records import BreakerState
+
 __all__ = [
     "ago",
     "breaker_lines",
@@ -102,7 +104,7 @@ def _at(ts: str | None, now: dt.datetime) -> str:
 def breaker_word(state: str) -> str:
     """A breaker state as the human output shows it: an open one (group `OPEN` or
     local `open`) as `OPEN !`, so it stands out without colour; others as they are."""
-    return "OPEN !" if state.upper() == "OPEN" else state
+    return f"{BreakerState.OPEN} !" if state.upper() == BreakerState.OPEN else state
 
 
 def one_line(text: str | None, width: int = 80) -> str | None:

@@ -16,7 +16,7 @@ import time
 
 from pgq.consumer.member import Member, Role
 from pgq.errors import DatabaseUnavailable, PgqError
-from pgq.records import Lease, Outcome
+from pgq.records import Lease, Outcome, OutcomeKind
 from pgq.store import RoleConnection
 
 logger = logging.getLogger("pgq.consumer")
@@ -102,10 +102,10 @@ class Acker(Role):
     def _write(self, conn: RoleConnection, outcomes: list[Outcome]) -> set[Lease]:
         """Write a batch: its successes, then its failures, each one statement that
         commits by itself (so a retry after an outage never rewrites what committed)."""
-        done = [o for o in outcomes if o.kind == "done"]
+        done = [o for o in outcomes if o.kind == OutcomeKind.DONE]
         if len(done) in (0, len(outcomes)):
             return self._write_part(conn, outcomes)
-        failed = [o for o in outcomes if o.kind != "done"]
+        failed = [o for o in outcomes if o.kind != OutcomeKind.DONE]
         return self._write_part(conn, done) | self._write_part(conn, failed)
 
     def _write_part(self, conn: RoleConnection, outcomes: list[Outcome]) -> set[Lease]:

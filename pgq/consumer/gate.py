@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from pgq.breaker import LocalBreaker
-from pgq.records import Claimed, Outcome
+from pgq.records import BreakerState, Claimed, ErrorClass, Outcome, OutcomeKind
 from pgq.settings import Settings
 
 logger = logging.getLogger("pgq.breaker")
@@ -44,7 +44,7 @@ class Gate:
         self.clock = clock
         self._listeners: list[Callable[[], None]] = []
         self._lock = threading.Lock()
-        self.group_state = "CLOSED"
+        self.group_state: str = BreakerState.CLOSED
         self.epoch = 0
         self.tripped_epoch: int | None = None
         self._closed_at: float | None = None
@@ -66,7 +66,7 @@ class Gate:
 
     @property
     def group_open(self) -> bool:
-        return self.group_state == "OPEN"
+        return self.group_state == BreakerState.OPEN
 
     def is_open(self) -> bool:
         """True while either breaker is open: claim nothing, start nothing."""
@@ -104,11 +104,11 @@ class Gate:
     def observe(self, outcome: Outcome) -> None:
         """Feed a finished attempt to the local breaker (workers call this)."""
         row = outcome.claimed
-        systemic = outcome.error_class == "systemic"
+        systemic = outcome.error_class == ErrorClass.SYSTEMIC
         if row.probe:
-            if outcome.kind == "snooze":
+            if outcome.kind == OutcomeKind.SNOOZE:
                 self.local.abandon_probe()
-            elif outcome.kind == "done":
+            elif outcome.kind == OutcomeKind.DONE:
                 self.local.probe_result("success")
                 logger.info("local breaker closed after a successful probe id=%d", row.id)
                 self._changed()
@@ -120,7 +120,7 @@ class Gate:
             else:
                 self.local.probe_result("inconclusive")
             return
-        if outcome.kind == "snooze" or row.epoch != self.epoch or self.group_open:
+        if outcome.kind == OutcomeKind.SNOOZE or row.epoch != self.epoch or self.group_open:
             return  # snoozes, attempts from an older epoch, and the open group do not count
         if self.local.record(systemic):
             with self._lock:
@@ -149,9 +149,9 @@ class Gate:
                 return False
             if epoch < self.epoch:
                 return False
-            was_open = self.group_state == "OPEN"
+            was_open = self.group_state == BreakerState.OPEN
             self.group_state, self.epoch = state, epoch
-        if state == "OPEN":
+        if state == BreakerState.OPEN:
             logger.warning("group breaker open epoch=%d", epoch)
         elif was_open:
             logger.info("group breaker closed epoch=%d", epoch)

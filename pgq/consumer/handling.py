@@ -19,7 +19,7 @@ from typing import Any
 from pgq.backoff import retry_delay
 from pgq.classify import Classification
 from pgq.errors import HandlerImportError, RetryLater
-from pgq.records import Claimed, Message, Outcome
+from pgq.records import Claimed, ErrorClass, Message, Outcome, OutcomeKind
 from pgq.settings import Settings
 
 logger = logging.getLogger("pgq.consumer")
@@ -78,14 +78,16 @@ class Handling:
         A row whose message could not be decoded never reaches the handler: it
         fails as `permanent` (no retry can make it readable)."""
         if row.unreadable is not None:
-            return Outcome(row, "dead", error_class="permanent", error=row.unreadable)
+            return Outcome(
+                row, OutcomeKind.DEAD, error_class=ErrorClass.PERMANENT, error=row.unreadable
+            )
         try:
             self.handler(row.message)
         except BaseException as exc:  # a handler's SystemExit must not kill the thread
             outcome = self.failure(row, exc)
             logger.debug("handler failed id=%d outcome=%s", row.id, outcome.kind)
             return outcome
-        return Outcome(row, "done")
+        return Outcome(row, OutcomeKind.DONE)
 
     def failure(self, row: Claimed, exc: BaseException) -> Outcome:
         """The outcome of an attempt on `row` that raised `exc`: snooze, retry or dead.
@@ -100,28 +102,28 @@ class Handling:
                 f"{_name_of(exc)}: the failure could not be classified"
                 f" ({_name_of(broken)}: {_text_of(broken)})"
             )
-            return self._charged(row, "message", text)
+            return self._charged(row, ErrorClass.MESSAGE, text)
 
     def _failure(self, row: Claimed, exc: BaseException) -> Outcome:
         if isinstance(exc, RetryLater):
             delay = _number(exc.delay)
             if delay is not None and 0.0 <= delay <= MAX_SNOOZE:
-                return Outcome(row, "snooze", delay=delay)
+                return Outcome(row, OutcomeKind.SNOOZE, delay=delay)
             text = (
                 "RetryLater: delay must be a finite number of seconds from 0 to 30 days;"
                 f" got {_repr_of(exc.delay)}"
             )
-            return self._charged(row, "message", text)
+            return self._charged(row, ErrorClass.MESSAGE, text)
         return self._charged(row, self.classify(exc), f"{_name_of(exc)}: {_text_of(exc)}")
 
     def _charged(self, row: Claimed, error_class: str, text: str) -> Outcome:
         """A finished, failed attempt: a retry with backoff, or dead."""
         finished = row.attempts + 1
         s = self.settings
-        if error_class == "permanent" or finished >= s.max_attempts:
-            return Outcome(row, "dead", error_class=error_class, error=text)
+        if error_class == ErrorClass.PERMANENT or finished >= s.max_attempts:
+            return Outcome(row, OutcomeKind.DEAD, error_class=error_class, error=text)
         delay = retry_delay(finished, s.retry_backoff, s.retry_backoff_max)
-        return Outcome(row, "retry", delay=delay, error_class=error_class, error=text)
+        return Outcome(row, OutcomeKind.RETRY, delay=delay, error_class=error_class, error=text)
 
 
 def _text_of(exc: BaseException) -> str:

@@ -28,7 +28,7 @@ from pgq.consumer.maintenance import Task, run_task
 from pgq.consumer.member import Member, Role
 from pgq.consumer.prober import Prober
 from pgq.errors import DatabaseUnavailable, LockNotAvailable, TransactionConflict
-from pgq.records import BreakerView
+from pgq.records import BreakerState, BreakerView, LocalBreakerState
 from pgq.store import LostLock, RoleConnection, SessionLock
 
 logger = logging.getLogger("pgq.breaker")
@@ -154,7 +154,11 @@ class Heartbeat(Role):
             if m.store.heartbeat(conn, local, tripped) is None:
                 return None
             view = m.store.breaker(conn)
-            if view.state == "CLOSED" and local == "open" and tripped == view.epoch:
+            if (
+                view.state == BreakerState.CLOSED
+                and local == LocalBreakerState.OPEN
+                and tripped == view.epoch
+            ):
                 opened = m.store.open_on_quorum(
                     conn,
                     view.epoch,
@@ -176,7 +180,7 @@ class Heartbeat(Role):
             logger.warning(
                 "group breaker opened by quorum group=%s epoch=%d", m.store.group, opened
             )
-            gate.see_group("OPEN", opened)
+            gate.see_group(BreakerState.OPEN, opened)
         else:
             gate.see_group(view.state, view.epoch)
         if gate.group_open or view.reconcile_epoch is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pgq.consumer.handling import Handling
 from pgq.consumer.pool import ClaimPool
 from pgq.errors import BadDsn, PermissionDenied, PgqError, SchemaMissing
-from pgq.records import Claimed, Lease, Outcome, StopReason
+from pgq.records import Claimed, Lease, Outcome, OutcomeKind, StopReason
 from pgq.settings import Settings
 from pgq.store import GroupStore, MemberLinks, RoleConnection
 from pgq.store.privileges import require_consumer_privileges
@@ -197,9 +197,9 @@ class Member:
         with self.lock:
             t = self.tally
             t.refused += 1
-            if outcome.kind == "done":
+            if outcome.kind == OutcomeKind.DONE:
                 t.done -= 1
-            elif outcome.kind == "dead":
+            elif outcome.kind == OutcomeKind.DEAD:
                 t.dead -= 1
             else:
                 t.retried -= 1
@@ -209,13 +209,13 @@ class Member:
         with self.lock:
             if pending:
                 self.outcomes_pending += 1
-            if outcome.kind == "snooze":
+            if outcome.kind == OutcomeKind.SNOOZE:
                 self.tally.retried += 1
                 return
             self.tally.handled += 1
-            if outcome.kind == "done":
+            if outcome.kind == OutcomeKind.DONE:
                 self.tally.done += 1
-            elif outcome.kind == "dead":
+            elif outcome.kind == OutcomeKind.DEAD:
                 self.tally.dead += 1
             else:
                 self.tally.retried += 1

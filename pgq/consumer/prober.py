@@ -30,7 +30,7 @@ from pgq.breaker import probe_delay
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
 from pgq.errors import DatabaseUnavailable, PgqError
-from pgq.records import Claimed, Outcome
+from pgq.records import BreakerState, Claimed, ErrorClass, Outcome, OutcomeKind
 from pgq.store import LostLock, RoleConnection, probe_lock
 
 logger = logging.getLogger("pgq.breaker")
@@ -77,7 +77,7 @@ class Prober(Role):
             while not m.stopping.is_set():
                 view = self.conn.retrying(m.store.breaker)
                 self.gate.see_group(view.state, view.epoch)
-                if view.state == "CLOSED" and view.reconcile_epoch is None:
+                if view.state == BreakerState.CLOSED and view.reconcile_epoch is None:
                     return
                 if self.sitting_out:
                     self.sitting_out = False
@@ -91,7 +91,7 @@ class Prober(Role):
                     self._pause(1.0)
                     continue
                 if not won:
-                    if self.one_shot and view.state == "OPEN":
+                    if self.one_shot and view.state == BreakerState.OPEN:
                         m.request_stop("breaker_open")
                         return
                     self._pause(min(1.0, m.settings.breaker_heartbeat))
@@ -148,7 +148,7 @@ class Prober(Role):
             if view.reconcile_epoch is not None:
                 self._reconcile(view.reconcile_epoch, view.reconcile_from or 0)
                 continue
-            if view.state == "CLOSED":
+            if view.state == BreakerState.CLOSED:
                 return True
             if not view.probe_due:
                 if self.one_shot:
@@ -161,16 +161,16 @@ class Prober(Role):
                 closed = self.conn.run(m.store.close_idle, view.epoch, s.breaker_max_refunds)
                 if closed is not None:  # nothing left to probe: the OPEN holds nothing back
                     logger.info("group breaker closed with nothing left to probe epoch=%d", closed)
-                    self.gate.see_group("CLOSED", closed)
+                    self.gate.see_group(BreakerState.CLOSED, closed)
                     continue
                 if self.one_shot:
                     m.request_stop("breaker_open")
                     return True
                 self._hold(s.breaker_probe_interval)
                 continue
-            if outcome.kind == "done":
+            if outcome.kind == OutcomeKind.DONE:
                 continue  # closed (the next turn reconciles), or the lock was lost
-            if outcome.error_class == "systemic":
+            if outcome.error_class == ErrorClass.SYSTEMIC:
                 failures = (view.probe_failures or 0) + 1
                 delay = probe_delay(
                     failures, s.breaker_probe_interval, s.breaker_probe_interval_max
@@ -231,7 +231,7 @@ class Prober(Role):
         lost: LostLock | None = None
         try:
             outcome = self._attempt(row, epoch)
-            if outcome.kind == "done":
+            if outcome.kind == OutcomeKind.DONE:
                 try:
                     self.lock.check()
                 except LostLock as exc:
@@ -240,7 +240,7 @@ class Prober(Role):
                     written, closed = self.conn.retrying(m.store.probe_succeeded, row, epoch)
                     if closed is not None:
                         logger.info("group breaker closed by probe epoch=%d", closed)
-                        self.gate.see_group("CLOSED", closed)
+                        self.gate.see_group(BreakerState.CLOSED, closed)
                 else:
                     # it succeeded but may not close: free the slot for the member that
                     # holds the lock now, and log the probe as it went

@@ -43,6 +43,7 @@ from sqlalchemy.schema import DropSchema
 from sqlalchemy.sql import ColumnElement, Executable, Insert, Select
 
 from pgq import schema as t
+from pgq.records import BreakerState, ErrorClass
 from pgq.sql.refunds import charged_within
 
 d, br, g, gs, audit = t.delivery, t.breaker, t.consumer_group, t.group_state, t.audit
@@ -73,7 +74,7 @@ def check_group() -> Select[Any]:
     """
     return (
         select(
-            func.coalesce(br.c.state, "CLOSED").label("state"),
+            func.coalesce(br.c.state, BreakerState.CLOSED.value).label("state"),
             func.coalesce(br.c.epoch, 0).label("epoch"),
             br.c.reconcile_epoch,
             br.c.reconcile_from_epoch,
@@ -120,9 +121,9 @@ def check_dead() -> Executable:
     real = and_(~pending, ~capped)
     return select(
         func.count().label("dead"),
-        func.count().filter(d.c.error_class == "message").label("message"),
-        func.count().filter(d.c.error_class == "permanent").label("permanent"),
-        func.count().filter(and_(d.c.error_class == "lease", real)).label("lease"),
+        func.count().filter(d.c.error_class == ErrorClass.MESSAGE.value).label("message"),
+        func.count().filter(d.c.error_class == ErrorClass.PERMANENT.value).label("permanent"),
+        func.count().filter(and_(d.c.error_class == ErrorClass.LEASE.value, real)).label("lease"),
         func.count().filter(and_(d.c.error_class == t.SYSTEMIC, real)).label("systemic"),
         func.count().filter(capped).label("capped"),
         func.count().filter(pending).label("pending"),

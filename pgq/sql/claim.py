@@ -28,6 +28,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
+from pgq.records import ErrorClass
 from pgq.sql.refunds import charged_within
 
 d, m = t.delivery, t.message
@@ -348,7 +349,7 @@ def sweep_expired() -> Executable:
                 (refundable, d.c.refundable_reclaims + 1),
                 else_=d.c.refundable_reclaims,
             ),
-            error_class=case((dies, "lease"), else_=d.c.error_class),
+            error_class=case((dies, ErrorClass.LEASE.value), else_=d.c.error_class),
             last_error=case(
                 (dies, "lease expired without an outcome too often"), else_=d.c.last_error
             ),

@@ -26,18 +26,21 @@ from sqlalchemy import (
 from sqlalchemy.sql import ColumnElement, Select
 
 from pgq import schema as t
+from pgq.records import BreakerState, ErrorClass, RowState
 from pgq.sql.members import departed_at, member_live
 
 
 def _count_columns() -> list[ColumnElement[Any]]:
     d = t.delivery
     return [
-        func.count().filter(d.c.state == "ready").label("ready"),
-        func.count().filter(d.c.state == "leased").label("leased"),
-        func.count().filter(d.c.state == "done").label("done"),
-        func.count().filter(d.c.state == "dead").label("dead"),
+        func.count().filter(d.c.state == RowState.READY.value).label("ready"),
+        func.count().filter(d.c.state == RowState.LEASED.value).label("leased"),
+        func.count().filter(d.c.state == RowState.DONE.value).label("done"),
+        func.count().filter(d.c.state == RowState.DEAD.value).label("dead"),
         func.count()
-        .filter(and_(d.c.state == "dead", d.c.error_class == "systemic"))
+        .filter(
+            and_(d.c.state == RowState.DEAD.value, d.c.error_class == ErrorClass.SYSTEMIC.value)
+        )
         .label("dead_systemic"),
     ]
 
@@ -71,7 +74,7 @@ def _groups() -> Select[Any]:
         func.coalesce(gs.c.reclaimed_total, 0).label("reclaimed_total"),
         func.coalesce(gs.c.released_total, 0).label("released_total"),
         func.coalesce(gs.c.refunded_total, 0).label("refunded_total"),
-        func.coalesce(b.c.state, "CLOSED").label("breaker_state"),
+        func.coalesce(b.c.state, BreakerState.CLOSED.value).label("breaker_state"),
         func.coalesce(b.c.since, g.c.created_at).label("breaker_since"),
         func.coalesce(b.c.epoch, 0).label("breaker_epoch"),
         b.c.next_probe_at.label("breaker_next_probe_at"),
@@ -182,7 +185,9 @@ def dead_rows(by_class: bool = False) -> Select[Any]:
             d.c.last_error.label("error"),
             d.c.updated_at,
         )
-        .where(d.c.group_id == bindparam("group_id", type_=Integer), d.c.state == "dead")
+        .where(
+            d.c.group_id == bindparam("group_id", type_=Integer), d.c.state == RowState.DEAD.value
+        )
         .order_by(d.c.message_id)
         .limit(bindparam("limit", type_=Integer))
     )

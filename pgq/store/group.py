@@ -22,7 +22,18 @@ from sqlalchemy import Connection
 from sqlalchemy.sql import Executable
 
 from pgq.errors import PgqError
-from pgq.records import BreakerView, Claimed, DrainState, Lease, Message, Outcome, Sweep
+from pgq.records import (
+    BreakerView,
+    Claimed,
+    DrainState,
+    ErrorClass,
+    Lease,
+    Message,
+    Outcome,
+    OutcomeKind,
+    RowState,
+    Sweep,
+)
 from pgq.sql import breaker as breaker_sql
 from pgq.sql import claim as claim_sql
 from pgq.sql import frontier as frontier_sql
@@ -115,6 +126,16 @@ TOKEN_BITS = 20
 
 def _holders(params: dict[str, Any]) -> set[tuple[int, str]]:
     return set(zip(params["present_gids"], params["present_names"], strict=True))
+
+
+def _row_state(kind: OutcomeKind) -> RowState:
+    """The state an outcome of `kind` leaves its row in: done, dead, or ready again
+    (a retry or a snooze)."""
+    if kind == OutcomeKind.DONE:
+        return RowState.DONE
+    if kind == OutcomeKind.DEAD:
+        return RowState.DEAD
+    return RowState.READY
 
 
 class LeaseTokens:
@@ -292,7 +313,7 @@ class GroupStore:
         attempt charged, and spends a refund if a close had refunded the row before
         (`breaker_sql.probe_failed_dead`); any other outcome is written like a worker's."""
         row = outcome.claimed
-        if outcome.error_class != "systemic" or row.attempts < max_attempts:
+        if outcome.error_class != ErrorClass.SYSTEMIC or row.attempts < max_attempts:
             return row.lease in self.record(conn, [outcome])
         params = {
             "gid": self.gid,
@@ -376,15 +397,15 @@ class GroupStore:
         if rows:
             add = claim_sql.add_to_total("reclaimed_total")
             conn.execute(add, {"gid": self.gid, "n": len(rows)})
-        return Sweep(len(rows), sum(1 for r in rows if r.state == "dead"))
+        return Sweep(len(rows), sum(1 for r in rows if r.state == RowState.DEAD))
 
     # -- outcomes -----------------------------------------------------------
 
     def record(self, conn: Connection, outcomes: list[Outcome]) -> set[Lease]:
         """Write a batch of outcomes (one statement per kind: successes, failures);
         returns the leases applied."""
-        done = [o.claimed.lease for o in outcomes if o.kind == "done"]
-        failed = [o for o in outcomes if o.kind != "done"]
+        done = [o.claimed.lease for o in outcomes if o.kind == OutcomeKind.DONE]
+        failed = [o for o in outcomes if o.kind != OutcomeKind.DONE]
         applied: set[Lease] = set()
         if done:
             params = {"gid": self.gid, "member": self.member, **_lease_params(done)}
@@ -395,8 +416,8 @@ class GroupStore:
                 "member": self.member,
                 "ids": [o.claimed.id for o in failed],
                 "seqs": [o.claimed.seq for o in failed],
-                "states": ["dead" if o.kind == "dead" else "ready" for o in failed],
-                "charges": [0 if o.kind == "snooze" else 1 for o in failed],
+                "states": [_row_state(o.kind) for o in failed],
+                "charges": [0 if o.kind == OutcomeKind.SNOOZE else 1 for o in failed],
                 "delays": [o.delay for o in failed],
                 "classes": [o.error_class for o in failed],
                 "errors": [clean_text(o.error) for o in failed],
@@ -423,9 +444,11 @@ class GroupStore:
             row = rows.get(o.claimed.lease)
             if row is None:
                 continue
-            state = "done" if o.kind == "done" else "dead" if o.kind == "dead" else "ready"
-            charge = 0 if o.kind in ("done", "snooze") else 1
-            if row[2] == state and (o.kind == "done" or row[3] == o.claimed.attempts + charge):
+            state = _row_state(o.kind)
+            charge = 0 if o.kind in (OutcomeKind.DONE, OutcomeKind.SNOOZE) else 1
+            if row[2] == state and (
+                o.kind == OutcomeKind.DONE or row[3] == o.claimed.attempts + charge
+            ):
                 found.add(o.claimed.lease)
         return found
 

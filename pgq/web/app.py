@@ -32,6 +32,7 @@ from werkzeug.exceptions import HTTPException
 from pgq.cli.parse import parse_age, parse_ids, parse_message_id
 from pgq.cli.render import ago, message_lines, visible
 from pgq.errors import DatabaseUnavailable, PgqError, UnknownGroup, UsageError
+from pgq.schema import ERROR_CLASSES
 from pgq.store import admin as store_admin
 from pgq.web.charts import sparkline
 from pgq.web.guard import SESSION_COOKIE, Guard, host_allowed
@@ -45,7 +46,6 @@ CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
     "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
-ERROR_CLASSES = ("systemic", "message", "permanent", "lease")
 MAX_BODY = 64 * 1024
 """Bytes a request body may have (a requeue form with 10,000 ids fits)."""
 LIVE_PAGES = frozenset({"overview.html", "group.html", "message.html"})

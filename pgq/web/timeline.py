@@ -15,6 +15,7 @@ from typing import Any
 from markupsafe import Markup
 
 from pgq.cli.render import visible
+from pgq.records import BreakerState
 
 __all__ = ["UNREAD", "Event", "Span", "Timeline", "timeline"]
 
@@ -133,7 +134,7 @@ def auto_window(history: Sequence[Mapping[str, Any]], now: dt.datetime) -> float
     """The smallest of `WINDOWS` that holds the last OPEN transition with a margin of a
     fifth of the window before it; the largest when it is older (or an hour with no
     outage at all)."""
-    opens = [_ts(h["at"]) for h in history if h["state"] == "OPEN"]
+    opens = [_ts(h["at"]) for h in history if h["state"] == BreakerState.OPEN]
     if not opens:
         return 3600.0
     age = (now - max(opens)).total_seconds()
@@ -166,7 +167,8 @@ def timeline(
     spans: list[Span] = []
     if history:
         first = history[0]
-        before = "CLOSED" if first["state"] == "OPEN" else "OPEN"
+        opened = first["state"] == BreakerState.OPEN
+        before = (BreakerState.CLOSED if opened else BreakerState.OPEN).value
         if truncated and first["epoch"] > 1:
             before = UNREAD
         spans.append(Span(before, start, _ts(first["at"]), first["epoch"] - 1))
@@ -179,10 +181,10 @@ def timeline(
     events = [
         Event(
             at=_ts(h["at"]),
-            kind="open" if h["state"] == "OPEN" else "close",
+            kind="open" if h["state"] == BreakerState.OPEN else "close",
             epoch=h["epoch"],
             member=h.get("by_member"),
-            refunded=int(h["refunded"]) if h["state"] == "CLOSED" else None,
+            refunded=int(h["refunded"]) if h["state"] == BreakerState.CLOSED else None,
         )
         for h in history
     ]

@@ -28,6 +28,7 @@ from sqlalchemy import Engine
 
 from pgq import monitor
 from pgq.errors import DatabaseUnavailable, PgqError
+from pgq.records import BreakerState
 from pgq.store import database_now
 from pgq.store.deadline import ReadDeadline
 from pgq.web.history import History, lag, throughput
@@ -142,7 +143,7 @@ class Dashboard:
 
     def _dead_split(self, engine: Engine, g: dict[str, Any]) -> dict[str, int]:
         dead, b = g["counts"]["dead"], g["breaker"]
-        if dead == 0 or (b["state"] != "OPEN" and not b["reconciling"]):
+        if dead == 0 or (b["state"] != BreakerState.OPEN and not b["reconciling"]):
             # no reconciliation coming or owed: nothing is pending (`pending_scope`)
             return {"dead": dead, "pending": 0, "real": dead}
         return monitor.dead_split(engine, g["group"], self.options.max_refunds)
