@@ -91,7 +91,7 @@ def explain_paths(engine: Any, schema: str = SCHEMA) -> dict[str, str]:
 
     info = group_info(engine, GROUP)
     store = GroupStore(info.id, GROUP, info.topic, "bench-explain", 30.0, 3)
-    known = {"gid": store.gid, "member": store.member, "lease": store.lease}
+    known = {"gid": store.gid, "member": store.member, "lease": store.lease, "token": -1}
 
     def compiled(stmt: Any, conn: Any) -> tuple[str, dict[str, Any]]:
         """The SQL text and parameters as `pgq.store.run_hot` sends them."""
