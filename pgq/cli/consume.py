@@ -38,15 +38,16 @@ EX_TEMPFAIL = 75
 """Exit code when `--until-empty` stopped because a breaker is open (sysexits EX_TEMPFAIL)."""
 
 
-def _duration(value: str | None, flag: str) -> float | None:
+def _duration(value: str | None, flag: str, *, zero: bool = False) -> float | None:
+    """A duration flag's seconds (None when not given); `zero`: 0 is allowed."""
     if value is None:
         return None
     try:
         seconds = parse_duration(value)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint=flag) from None
-    if seconds <= 0:
-        raise click.BadParameter("must be > 0", param_hint=flag)
+    if seconds < 0 or (seconds == 0 and not zero):
+        raise click.BadParameter("must be >= 0" if zero else "must be > 0", param_hint=flag)
     return seconds
 
 
@@ -109,7 +110,7 @@ def consume(
 ) -> None:
     """Run a member of GROUP, calling the handler for each message."""
     runtime = _duration(max_runtime, "--max-runtime")
-    retries = _duration(wait_retries, "--wait-retries") or 0.0
+    retries = _duration(wait_retries, "--wait-retries", zero=True) or 0.0
     if wait_retries is not None and not until_empty:
         raise click.UsageError("--wait-retries needs --until-empty")
     settings = load_settings(

@@ -136,6 +136,10 @@ def test_wait_retries_from_the_command_line(orders, pgq_env, tmp_path, procs):
     assert code == 2, stderr
     assert "--wait-retries needs --until-empty" in stderr
 
+    # 0 waits for nothing, as `run(wait_retries=0)` does (it was refused: "must be > 0")
+    code, _, stderr = finish(spawn_pgq(env, *drain, "--wait-retries", "0"), 30)
+    assert code == 0, stderr
+
 
 def test_a_paused_member_whose_name_was_taken_over_stops_when_it_resumes(
     orders, pgq_env, tmp_path, procs
