@@ -93,16 +93,16 @@ class ConsumerCollector:
     def _group_numbers(self) -> dict[str, int]:
         c = self.consumer
         try:
-            s = monitor.status(c.engine, c.group, member_ttl=c.settings.breaker_member_ttl)
+            s = monitor.read_status(c.engine, c.group, member_ttl=c.settings.breaker_member_ttl)
             word, _ = monitor.check(c.engine, c.group, c.settings.breaker_max_refunds)
         except PgqError as exc:
             logger.warning("metrics: group numbers unavailable error=%s", exc)
             return {}
         return {
-            "lag": s["lag"],
-            "dead_rows": s["counts"]["dead"],
-            "dead_systemic_rows": s["counts"]["dead_systemic"],
-            "refunded_rows": s["totals"]["refunded"],
+            "lag": s.lag,
+            "dead_rows": s.counts.dead,
+            "dead_systemic_rows": s.counts.dead_systemic,
+            "refunded_rows": s.totals.refunded,
             "check_status": monitor.CHECK_EXIT_CODES[word],
         }
 

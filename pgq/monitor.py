@@ -3,6 +3,10 @@
 
 Plain typed functions a script can call as well as the CLI. Each returns plain
 dicts and lists in exactly the shape the CLI prints with `--json` (DESIGN §7):
+the public contract (`pgq.status(engine, g)["breaker"]["prober"]`). `read_status`,
+`read_status_all` and `read_members` return the same reads as the frozen models
+of `pgq.read_models`, whose `to_json()` those dicts are; the CLI's human output
+and the dashboard use them.
 timestamps are UTC ISO 8601 strings with `+00:00`, absent values are `None`.
 Every function reads one consistent snapshot (one REPEATABLE READ transaction).
 
@@ -13,7 +17,6 @@ and the default is the documented default.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -22,7 +25,17 @@ from sqlalchemy import Engine
 
 from pgq.breaker import pending_scope
 from pgq.errors import UsageError
-from pgq.records import BreakerState, RowState
+from pgq.read_models import (
+    Counts,
+    FrontierHolder,
+    GroupBreaker,
+    GroupStatus,
+    MemberStatus,
+    StatusAll,
+    Totals,
+    iso,
+)
+from pgq.records import BreakerState, LocalBreakerState, RowState
 from pgq.settings import DEFAULTS
 from pgq.store import admin, inspect
 
@@ -46,6 +59,9 @@ __all__ = [
     "members",
     "message",
     "pending_scope",
+    "read_members",
+    "read_status",
+    "read_status_all",
     "status",
     "status_all",
 ]
@@ -73,53 +89,45 @@ CHECK_EXIT_CODES: Mapping[str, int] = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UN
 """`pgq check`'s Nagios exit code for each state word."""
 
 
-def iso(ts: dt.datetime | None) -> str | None:
-    """`ts` as UTC ISO 8601 with `+00:00` (None stays None)."""
-    if ts is None:
-        return None
-    if ts.tzinfo is None:  # timestamptz columns are always aware; be safe anyway
-        ts = ts.replace(tzinfo=dt.timezone.utc)
-    return ts.astimezone(dt.timezone.utc).isoformat()
+def _member(row: Any) -> MemberStatus:
+    return MemberStatus(
+        name=row.name,
+        live=bool(row.live),
+        local_breaker=LocalBreakerState(row.local_breaker),
+        last_seen=row.last_seen,
+        host=row.host,
+        pid=row.pid,
+        started_at=row.started_at,
+        left_at=row.left_at,
+    )
 
 
-def _member(row: Any) -> dict[str, Any]:
-    return {
-        "name": row.name,
-        "live": bool(row.live),
-        "local_breaker": row.local_breaker,
-        "last_seen": iso(row.last_seen),
-        "host": row.host,
-        "pid": row.pid,
-        "started_at": iso(row.started_at),
-        "left_at": iso(row.left_at),
-    }
-
-
-def _breaker(row: Any, prober: str | None) -> dict[str, Any]:
-    state = row.breaker_state
-    return {
-        "state": state,
-        "since": iso(row.breaker_since),
+def _breaker(row: Any, prober: str | None) -> GroupBreaker:
+    state = BreakerState(row.breaker_state)
+    is_open = state is BreakerState.OPEN
+    return GroupBreaker(
+        state=state,
+        since=row.breaker_since,
         # only an open group has a prober; a name left behind after a close is stale
-        "prober": prober if state == BreakerState.OPEN else None,
-        "epoch": int(row.breaker_epoch),
-        "next_probe_at": iso(row.breaker_next_probe_at) if state == BreakerState.OPEN else None,
+        prober=prober if is_open else None,
+        epoch=int(row.breaker_epoch),
+        next_probe_at=row.breaker_next_probe_at if is_open else None,
         # a close's refunds still owed: its dead rows are not all dead letters yet
-        "reconciling": row.breaker_reconcile_epoch is not None,
-    }
+        reconciling=row.breaker_reconcile_epoch is not None,
+    )
 
 
-def _holder(row: Any) -> dict[str, Any] | None:
+def _holder(row: Any) -> FrontierHolder | None:
     if row is None:
         return None
-    return {
-        "pid": row.pid,
-        "age_s": round(max(float(row.age_s or 0.0), 0.0), 3),
-        "state": row.state,
-        "datname": row.datname,
-        "usename": row.usename,
-        "application_name": row.application_name,
-    }
+    return FrontierHolder(
+        pid=row.pid,
+        age_s=round(max(float(row.age_s or 0.0), 0.0), 3),
+        state=row.state,
+        datname=row.datname,
+        usename=row.usename,
+        application_name=row.application_name,
+    )
 
 
 _ZERO_COUNTS: Mapping[str, int] = {
@@ -131,31 +139,41 @@ _ZERO_COUNTS: Mapping[str, int] = {
 }
 
 
-def _group(rows: inspect.GroupRows) -> dict[str, Any]:
+def _group(rows: inspect.GroupRows) -> GroupStatus:
     row, counts = rows.row, rows.counts
     c = {k: int(v) for k, v in (counts or _ZERO_COUNTS).items() if k in _ZERO_COUNTS}
-    done = c["done"] + int(row.done_pruned)
-    return {
-        "group": row.name,
-        "topic": row.topic,
-        "committed": row.committed_id,
-        "counts": {
-            "ready": c["ready"],
-            "leased": c["leased"],
-            "done": done,
-            "dead": c["dead"],
-            "dead_systemic": c["dead_systemic"],
-        },
-        "totals": {
-            "reclaimed": int(row.reclaimed_total),
-            "released": int(row.released_total),
-            "refunded": int(row.refunded_total),
-        },
-        "lag": c["ready"] + c["leased"],
-        "breaker": _breaker(row, rows.prober),
-        "members": [_member(m) for m in rows.members],
-        "frontier_held_by": _holder(rows.holder),
-    }
+    return GroupStatus(
+        group=row.name,
+        topic=row.topic,
+        committed=row.committed_id,
+        counts=Counts(
+            ready=c["ready"],
+            leased=c["leased"],
+            done=c["done"] + int(row.done_pruned),
+            dead=c["dead"],
+            dead_systemic=c["dead_systemic"],
+        ),
+        totals=Totals(
+            reclaimed=int(row.reclaimed_total),
+            released=int(row.released_total),
+            refunded=int(row.refunded_total),
+        ),
+        lag=c["ready"] + c["leased"],
+        breaker=_breaker(row, rows.prober),
+        members=tuple(_member(m) for m in rows.members),
+        frontier_held_by=_holder(rows.holder),
+    )
+
+
+def read_status(
+    engine: Engine,
+    group: str,
+    *,
+    member_ttl: float = DEFAULT_MEMBER_TTL,
+    departed_within: float | None = RECENTLY_DEPARTED,
+) -> GroupStatus:
+    """`status` of `group` as a typed `GroupStatus`; raises `UnknownGroup`."""
+    return _group(inspect.group_status(engine, group, member_ttl, departed_within))
 
 
 def status(
@@ -171,9 +189,22 @@ def status(
     dead_systemic}, totals {reclaimed, released, refunded}, lag, breaker
     {state, since, prober, epoch, next_probe_at, reconciling}, members (as
     `members` lists them), and frontier_held_by (the backend with the oldest open transaction in the
-    cluster, or None).
+    cluster, or None). `read_status` is the same as a typed `GroupStatus`.
     """
-    return _group(inspect.group_status(engine, group, member_ttl, departed_within))
+    return read_status(
+        engine, group, member_ttl=member_ttl, departed_within=departed_within
+    ).to_json()
+
+
+def read_status_all(
+    engine: Engine,
+    *,
+    member_ttl: float = DEFAULT_MEMBER_TTL,
+    departed_within: float | None = RECENTLY_DEPARTED,
+) -> StatusAll:
+    """`status_all` as a typed `StatusAll`."""
+    groups = inspect.all_group_status(engine, member_ttl, departed_within)
+    return StatusAll(tuple(_group(rows) for rows in groups))
 
 
 def status_all(
@@ -183,8 +214,18 @@ def status_all(
     departed_within: float | None = RECENTLY_DEPARTED,
 ) -> dict[str, Any]:
     """`{"groups": [...]}`: the `status` object of every group, by name."""
-    groups = inspect.all_group_status(engine, member_ttl, departed_within)
-    return {"groups": [_group(rows) for rows in groups]}
+    return read_status_all(engine, member_ttl=member_ttl, departed_within=departed_within).to_json()
+
+
+def read_members(
+    engine: Engine,
+    group: str,
+    ttl: float = DEFAULT_MEMBER_TTL,
+    *,
+    departed_within: float | None = RECENTLY_DEPARTED,
+) -> tuple[MemberStatus, ...]:
+    """`members` as typed `MemberStatus` values; raises `UnknownGroup`."""
+    return tuple(_member(m) for m in inspect.member_rows(engine, group, ttl, departed_within))
 
 
 def members(
@@ -201,8 +242,9 @@ def members(
     still there. The live members and those that departed (left, or last heard
     from) within `departed_within` seconds; every member row when it is None
     (departed members are deleted after `breaker.member_retention`).
+    `read_members` gives the same as typed `MemberStatus` values.
     """
-    return [_member(m) for m in inspect.member_rows(engine, group, ttl, departed_within)]
+    return [m.to_json() for m in read_members(engine, group, ttl, departed_within=departed_within)]
 
 
 def breaker_info(
@@ -222,7 +264,7 @@ def breaker_info(
     `succeeded` (plus its `error_class`). Read from one snapshot.
     """
     rows = inspect.breaker_rows(engine, group, history_limit, probe_limit)
-    info = _breaker(rows.row, rows.prober)
+    info = _breaker(rows.row, rows.prober).to_json()
     info["history"] = [
         {
             "epoch": h.epoch,
@@ -279,7 +321,8 @@ def frontier_held_by(engine: Engine) -> dict[str, Any] | None:
     `{"pid", "age_s", "state", "datname", ...}`: while it stays open no group's
     frontier (and so no pruning) passes its transaction.
     """
-    return _holder(inspect.frontier_holder(engine))
+    holder = _holder(inspect.frontier_holder(engine))
+    return None if holder is None else holder.to_json()
 
 
 # --- pgq check ------------------------------------------------------------------

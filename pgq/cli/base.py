@@ -45,6 +45,7 @@ from pgq.errors import (
     install_extra,
 )
 from pgq.monitor import CHECK_EXIT_CODES
+from pgq.read_models import json_default
 from pgq.settings import Settings, load_settings
 from pgq.store import connect, with_connect_timeout
 
@@ -228,9 +229,10 @@ def json_option(what: str) -> Callable[[F], F]:
 
 
 def emit(data: Any, as_json: bool, human: Callable[[Any], Iterable[str]]) -> None:
-    """Print `data` as one JSON document, or as the lines `human(data)` renders."""
+    """Print `data` as one JSON document, or as the lines `human(data)` renders. A read
+    model in `data` (`pgq.read_models`) prints as its `to_json()`."""
     if as_json:
-        click.echo(json.dumps(data))
+        click.echo(json.dumps(data, default=json_default))
         return
     for line in human(data):
         click.echo(line)

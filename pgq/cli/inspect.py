@@ -1,8 +1,9 @@
 """Looking at a group: `pgq status`, `pgq members`, `pgq breaker`, `pgq dead`, `pgq check`.
 
 Each command reads through one `pgq.monitor` function and prints its result
-with `--json` as is, or as the lines `pgq.cli.render` makes of the same data
-(their times relative to the database's clock, read for them).
+with `--json` as is (a read model as its `to_json()`), or as the lines
+`pgq.cli.render` makes of the same data (their times relative to the
+database's clock, read for them).
 
 `status` and `members` list the live members and those that departed in the
 last `monitor.RECENTLY_DEPARTED` seconds; `--all` lists every member row
@@ -62,11 +63,11 @@ def status(state: State, group: str | None, as_json: bool, every: bool) -> None:
     ttl = state.settings.breaker_member_ttl
     recent = None if every else monitor.RECENTLY_DEPARTED
     if group is None:
-        data = monitor.status_all(state.engine, member_ttl=ttl, departed_within=recent)
-        emit(data, as_json, status_all_lines)
+        every_group = monitor.read_status_all(state.engine, member_ttl=ttl, departed_within=recent)
+        emit(every_group, as_json, status_all_lines)
     else:
-        data = monitor.status(state.engine, group, member_ttl=ttl, departed_within=recent)
-        emit(data, as_json, _now_of(state, status_lines))
+        one = monitor.read_status(state.engine, group, member_ttl=ttl, departed_within=recent)
+        emit(one, as_json, _now_of(state, status_lines))
 
 
 @click.command()
@@ -78,7 +79,7 @@ def members(state: State, group: str, as_json: bool, every: bool) -> None:
     """Live and recently departed members of GROUP with their local breaker states."""
     ttl = state.settings.breaker_member_ttl
     recent = None if every else monitor.RECENTLY_DEPARTED
-    data = monitor.members(state.engine, group, ttl, departed_within=recent)
+    data = monitor.read_members(state.engine, group, ttl, departed_within=recent)
     emit(data, as_json, _now_of(state, members_lines))
 
 

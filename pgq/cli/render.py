@@ -1,7 +1,8 @@
 """Human output: the lines `status`, `members`, `breaker`, `dead`, `show` and `server status` print.
 
 Each renderer takes exactly the data the command prints with `--json` (the
-`pgq.monitor` dicts, DESIGN §7) and returns lines; it neither reads the
+typed read models of `pgq.read_models` for `status` and `members`, the
+`pgq.monitor` dicts for the others, DESIGN §7) and returns lines; it neither reads the
 database nor prints. `pgq.cli.base.emit` chooses between the JSON document and
 these lines, so both always come from the same data. Times show relative to
 `now`, the database's clock the command passes ("3 s ago", "in 5 s"), with the
@@ -22,6 +23,7 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ParamSpec
 
+from pgq.read_models import FrontierHolder, GroupStatus, MemberStatus, StatusAll, iso
 from pgq.records import BreakerState
 
 __all__ = [
@@ -80,12 +82,14 @@ def _cell(value: object) -> str:
     return visible(str(value))  # escaped before the widths are measured
 
 
-def ago(ts: str | None, now: dt.datetime) -> str | None:
-    """The ISO 8601 time `ts` relative to `now`: `"3 s ago"`, `"5 min ago"`, `"2 h ago"`,
-    `"3 d ago"`, or `"in 4 s"` for a time to come (whole units, rounded down)."""
+def ago(ts: dt.datetime | str | None, now: dt.datetime) -> str | None:
+    """The time `ts` (a datetime or its ISO 8601 text) relative to `now`: `"3 s ago"`,
+    `"5 min ago"`, `"2 h ago"`, `"3 d ago"`, or `"in 4 s"` for a time to come (whole
+    units, rounded down)."""
     if ts is None:
         return None
-    seconds = (now - dt.datetime.fromisoformat(ts)).total_seconds()
+    when = dt.datetime.fromisoformat(ts) if isinstance(ts, str) else ts
+    seconds = (now - when).total_seconds()
     span = abs(seconds)
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if span >= size:
@@ -96,9 +100,11 @@ def ago(ts: str | None, now: dt.datetime) -> str | None:
     return f"in {text}" if seconds < 0 else f"{text} ago"
 
 
-def _at(ts: str | None, now: dt.datetime) -> str:
-    """`ts` relative to `now`, then as it is: `"3 s ago (2026-11-29T20:00:00+00:00)"`."""
-    return "-" if ts is None else f"{ago(ts, now)} ({ts})"
+def _at(ts: dt.datetime | str | None, now: dt.datetime) -> str:
+    """`ts` relative to `now`, then in ISO 8601: `"3 s ago (2026-11-29T20:00:00+00:00)"`."""
+    if ts is None:
+        return "-"
+    return f"{ago(ts, now)} ({ts if isinstance(ts, str) else iso(ts)})"
 
 
 def breaker_word(state: str) -> str:
@@ -117,7 +123,7 @@ def one_line(text: str | None, width: int = 80) -> str | None:
 
 
 @_visible_lines
-def members_lines(members: list[dict[str, Any]], *, now: dt.datetime) -> list[str]:
+def members_lines(members: Sequence[MemberStatus], *, now: dt.datetime) -> list[str]:
     """`pgq members`: one row per member, its times relative to `now`."""
     if not members:
         return ["no members"]
@@ -125,55 +131,53 @@ def members_lines(members: list[dict[str, Any]], *, now: dt.datetime) -> list[st
         ("NAME", "LIVE", "LOCAL_BREAKER", "LAST_SEEN", "LEFT"),
         (
             (
-                m["name"],
-                m["live"],
-                breaker_word(m["local_breaker"]),
-                ago(m["last_seen"], now),
-                ago(m.get("left_at"), now),
+                m.name,
+                m.live,
+                breaker_word(m.local_breaker),
+                ago(m.last_seen, now),
+                ago(m.left_at, now),
             )
             for m in members
         ),
     )
 
 
-def _holder_line(holder: dict[str, Any] | None) -> list[str]:
+def _holder_line(holder: FrontierHolder | None) -> list[str]:
     # a publisher's transaction holds the frontier for milliseconds: not worth a line
-    if not holder or holder["age_s"] < 1:
+    if holder is None or holder.age_s < 1:
         return []
     return [
-        f"frontier held by pid {holder['pid']}: transaction open {holder['age_s']:.0f}s,"
-        f" {holder['state']}, database {holder['datname']}"
+        f"frontier held by pid {holder.pid}: transaction open {holder.age_s:.0f}s,"
+        f" {holder.state}, database {holder.datname}"
     ]
 
 
 @_visible_lines
-def status_lines(s: dict[str, Any], *, now: dt.datetime) -> list[str]:
+def status_lines(s: GroupStatus, *, now: dt.datetime) -> list[str]:
     """`pgq status GROUP`: frontier, lag, counts, totals, breaker and members."""
-    c, tot, b = s["counts"], s["totals"], s["breaker"]
-    live = sum(1 for m in s["members"] if m["live"])
-    breaker = f"{breaker_word(b['state'])} since {_at(b['since'], now)}, epoch {b['epoch']}"
-    if b["prober"]:
-        breaker += f", prober {b['prober']}"
+    c, tot, b = s.counts, s.totals, s.breaker
+    breaker = f"{breaker_word(b.state)} since {_at(b.since, now)}, epoch {b.epoch}"
+    if b.prober:
+        breaker += f", prober {b.prober}"
     lines = [
-        f"group {s['group']} on topic {s['topic']}",
-        f"  committed  {_cell(s['committed'])}",
-        f"  lag        {s['lag']}",
-        f"  counts     ready {c['ready']}  leased {c['leased']}  done {c['done']}"
-        f"  dead {c['dead']} (systemic {c['dead_systemic']})",
-        f"  totals     reclaimed {tot['reclaimed']}  released {tot['released']}"
-        f"  refunded {tot['refunded']}",
+        f"group {s.group} on topic {s.topic}",
+        f"  committed  {_cell(s.committed)}",
+        f"  lag        {s.lag}",
+        f"  counts     ready {c.ready}  leased {c.leased}  done {c.done}"
+        f"  dead {c.dead} (systemic {c.dead_systemic})",
+        f"  totals     reclaimed {tot.reclaimed}  released {tot.released}  refunded {tot.refunded}",
         f"  breaker    {breaker}",
-        f"  members    {live} live of {len(s['members'])}",
+        f"  members    {s.live} live of {len(s.members)}",
     ]
-    if s["members"]:
-        lines += ["    " + line for line in members_lines(s["members"], now=now)]
-    return lines + ["  " + line for line in _holder_line(s.get("frontier_held_by"))]
+    if s.members:
+        lines += ["    " + line for line in members_lines(s.members, now=now)]
+    return lines + ["  " + line for line in _holder_line(s.frontier_held_by)]
 
 
 @_visible_lines
-def status_all_lines(data: dict[str, Any]) -> list[str]:
+def status_all_lines(data: StatusAll) -> list[str]:
     """`pgq status`: one row per group."""
-    groups = data["groups"]
+    groups = data.groups
     if not groups:
         return ["no groups"]
     lines = table(
@@ -191,21 +195,21 @@ def status_all_lines(data: dict[str, Any]) -> list[str]:
         ),
         (
             (
-                g["group"],
-                g["topic"],
-                g["committed"],
-                g["lag"],
-                g["counts"]["ready"],
-                g["counts"]["leased"],
-                g["counts"]["done"],
-                g["counts"]["dead"],
-                breaker_word(g["breaker"]["state"]),
-                sum(1 for m in g["members"] if m["live"]),
+                g.group,
+                g.topic,
+                g.committed,
+                g.lag,
+                g.counts.ready,
+                g.counts.leased,
+                g.counts.done,
+                g.counts.dead,
+                breaker_word(g.breaker.state),
+                g.live,
             )
             for g in groups
         ),
     )
-    return lines + _holder_line(groups[0].get("frontier_held_by"))
+    return lines + _holder_line(groups[0].frontier_held_by)
 
 
 BREAKER_PROBES_SHOWN = 5

@@ -183,11 +183,11 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
 
     @app.get("/api/groups")
     def api_groups() -> Any:
-        return jsonify(dashboard.status(None))
+        return jsonify(dashboard.status(None).to_json())
 
     @app.get("/api/groups/<name>")
     def api_group(name: str) -> Any:
-        return jsonify(dashboard.status(name))
+        return jsonify(dashboard.status(name).to_json())
 
     @app.get("/favicon.ico")
     def favicon() -> Any:

@@ -14,9 +14,10 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+
+from pgq.read_models import GroupStatus
 
 __all__ = ["History", "Sample"]
 
@@ -37,17 +38,17 @@ class History:
         self._lock = threading.Lock()
         self._groups: dict[str, deque[Sample]] = {}
 
-    def record(self, groups: Iterable[Mapping[str, Any]]) -> None:
-        """One sample of every group in a `status_all()["groups"]` list; groups no
+    def record(self, groups: Iterable[GroupStatus]) -> None:
+        """One sample of every group in a `read_status_all().groups`; groups no
         longer listed are forgotten."""
         now = self.clock()
         with self._lock:
             seen = set()
             for g in groups:
-                name = g["group"]
+                name = g.group
                 seen.add(name)
                 samples = self._groups.setdefault(name, deque())
-                samples.append(Sample(now, int(g["counts"]["done"]), int(g["lag"])))
+                samples.append(Sample(now, g.counts.done, g.lag))
                 while samples and samples[0].at < now - self.span:
                     samples.popleft()
             for gone in self._groups.keys() - seen:

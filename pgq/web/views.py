@@ -20,7 +20,7 @@ import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -28,6 +28,7 @@ from sqlalchemy import Engine
 
 from pgq import monitor
 from pgq.errors import DatabaseUnavailable, PgqError
+from pgq.read_models import GroupStatus, StatusAll
 from pgq.records import BreakerState
 from pgq.store import database_now
 from pgq.store.deadline import ReadDeadline
@@ -105,15 +106,22 @@ class Dashboard:
         """The database clock, within the deadline."""
         return self._within(self._now)
 
-    def status(self, group: str | None) -> dict[str, Any]:
-        """`pgq status [GROUP] --json`, within the deadline."""
+    def status(self, group: str | None) -> StatusAll | GroupStatus:
+        """`pgq status [GROUP]` (its `to_json()` is the `--json`), within the deadline."""
         return self._within(self._status, group)
 
-    def _status(self, engine: Engine, group: str | None) -> dict[str, Any]:
+    def _status(self, engine: Engine, group: str | None) -> StatusAll | GroupStatus:
         ttl = self.options.member_ttl
         if group is None:
-            return monitor.status_all(engine, member_ttl=ttl)
-        return monitor.status(engine, group, member_ttl=ttl)
+            return monitor.read_status_all(engine, member_ttl=ttl)
+        return monitor.read_status(engine, group, member_ttl=ttl)
+
+    def status_all(self) -> StatusAll:
+        """`pgq status` of every group, within the deadline."""
+        return self._within(self._status_all)
+
+    def _status_all(self, engine: Engine) -> StatusAll:
+        return monitor.read_status_all(engine, member_ttl=self.options.member_ttl)
 
     # --- overview ---------------------------------------------------------------
 
@@ -121,17 +129,17 @@ class Dashboard:
         return self._within(self._overview)
 
     def _overview(self, engine: Engine) -> dict[str, Any]:
-        groups = monitor.status_all(engine, member_ttl=self.options.member_ttl)["groups"]
+        groups = self._status_all(engine).groups
         self._maybe_sample(groups)
         # the charts cover what has been watched (at least a minute), all groups alike
         start = self.clock() - max(self.history.watched(), 60.0)
         rows = []
         for g in groups:
-            samples = self.history.samples(g["group"])
+            samples = self.history.samples(g.group)
             rows.append(
                 {
                     "status": g,
-                    "live": sum(1 for m in g["members"] if m["live"]),
+                    "live": g.live,
                     "dead": self._dead_split(engine, g),
                     "throughput": throughput(samples),
                     "lag_points": lag(samples),
@@ -141,14 +149,14 @@ class Dashboard:
             )
         return {"groups": rows, "watched": self.history.watched(), "now": self._now(engine)}
 
-    def _dead_split(self, engine: Engine, g: dict[str, Any]) -> dict[str, int]:
-        dead, b = g["counts"]["dead"], g["breaker"]
-        if dead == 0 or (b["state"] != BreakerState.OPEN and not b["reconciling"]):
+    def _dead_split(self, engine: Engine, g: GroupStatus) -> dict[str, int]:
+        dead, b = g.counts.dead, g.breaker
+        if dead == 0 or (b.state is not BreakerState.OPEN and not b.reconciling):
             # no reconciliation coming or owed: nothing is pending (`pending_scope`)
             return {"dead": dead, "pending": 0, "real": dead}
-        return monitor.dead_split(engine, g["group"], self.options.max_refunds)
+        return monitor.dead_split(engine, g.group, self.options.max_refunds)
 
-    def _maybe_sample(self, groups: list[dict[str, Any]]) -> None:
+    def _maybe_sample(self, groups: Sequence[GroupStatus]) -> None:
         with self._lock:
             if self.clock() - self._sampled < self.options.sample_every * 0.5:
                 return
@@ -157,7 +165,7 @@ class Dashboard:
 
     def sample(self) -> None:
         """One chart sample of every group (the sampler thread's beat)."""
-        self._maybe_sample(self.status(None)["groups"])
+        self._maybe_sample(self.status_all().groups)
 
     def run_sampler(self, stop: threading.Event) -> None:
         """Sample every `sample_every` seconds until `stop`; a failed read is logged
@@ -186,7 +194,7 @@ class Dashboard:
     def _group(
         self, engine: Engine, name: str, error_class: str | None, window: float | None
     ) -> dict[str, Any]:
-        status = monitor.status(engine, name, member_ttl=self.options.member_ttl)
+        status = monitor.read_status(engine, name, member_ttl=self.options.member_ttl)
         info = monitor.breaker_info(
             engine, name, history_limit=HISTORY_LIMIT, probe_limit=PROBE_LIMIT
         )

@@ -24,6 +24,8 @@ from pgq import monitor
 from pgq import schema as t
 from pgq.cli.render import ago, breaker_lines, breaker_word, members_lines, status_lines
 from pgq.errors import ConfigError
+from pgq.read_models import Counts, GroupBreaker, GroupStatus, MemberStatus, Totals
+from pgq.records import BreakerState, LocalBreakerState
 from pgq.settings import Settings, settings_from_kwargs
 from pgq.store import member_lock
 from pgq.store.members import forget_departed
@@ -170,8 +172,12 @@ def test_human_tables_say_how_long_ago(departed, pgq_env):
 NOW = dt.datetime(2026, 11, 29, 20, 0, 0, tzinfo=dt.timezone.utc)
 
 
+def when(seconds_ago: float) -> dt.datetime:
+    return NOW - dt.timedelta(seconds=seconds_ago)
+
+
 def at(seconds_ago: float) -> str:
-    return (NOW - dt.timedelta(seconds=seconds_ago)).isoformat()
+    return when(seconds_ago).isoformat()
 
 
 @pytest.mark.parametrize(
@@ -196,14 +202,21 @@ def test_ago_of_nothing_is_nothing():
     assert ago(None, NOW) is None
 
 
-def member(name: str, *, live: bool, local: str, seen: float, left: float | None) -> dict:
-    return {
-        "name": name,
-        "live": live,
-        "local_breaker": local,
-        "last_seen": at(seen),
-        "left_at": None if left is None else at(left),
-    }
+def test_ago_of_a_datetime_is_ago_of_its_iso_text():
+    assert ago(when(90), NOW) == ago(at(90), NOW) == "1 min ago"
+
+
+def member(name: str, *, live: bool, local: str, seen: float, left: float | None) -> MemberStatus:
+    return MemberStatus(
+        name=name,
+        live=live,
+        local_breaker=LocalBreakerState(local),
+        last_seen=when(seen),
+        host="h",
+        pid=1,
+        started_at=when(seen),
+        left_at=None if left is None else when(left),
+    )
 
 
 def test_members_table_with_times_relative_to_now_and_open_breakers_standing_out():
@@ -238,16 +251,24 @@ def test_an_open_group_breaker_stands_out():
     assert lines[:2] == ["state   OPEN !", f"since   42 s ago ({at(42)})"]
     assert f"next probe  in 5 s ({at(-5)})" in lines
     assert lines[-1].split() == ["3", "OPEN", "!", "42", "s", "ago", "0"]
-    status = {
-        "group": "g",
-        "topic": "t",
-        "committed": None,
-        "lag": 0,
-        "counts": {"ready": 0, "leased": 0, "done": 0, "dead": 0, "dead_systemic": 0},
-        "totals": {"reclaimed": 0, "released": 0, "refunded": 0},
-        "breaker": info,
-        "members": [member("a", live=True, local="open", seen=2, left=None)],
-    }
+    status = GroupStatus(
+        group="g",
+        topic="t",
+        committed=None,
+        counts=Counts(ready=0, leased=0, done=0, dead=0, dead_systemic=0),
+        totals=Totals(reclaimed=0, released=0, refunded=0),
+        lag=0,
+        breaker=GroupBreaker(
+            state=BreakerState.OPEN,
+            since=when(42),
+            prober="p",
+            epoch=3,
+            next_probe_at=when(-5),
+            reconciling=False,
+        ),
+        members=(member("a", live=True, local="open", seen=2, left=None),),
+        frontier_held_by=None,
+    )
     lines = status_lines(status, now=NOW)
     assert f"  breaker    OPEN ! since 42 s ago ({at(42)}), epoch 3, prober p" in lines
     assert lines[-1] == "    a     yes   OPEN !         2 s ago    -"

@@ -19,6 +19,8 @@ from sqlalchemy import Engine, insert, select
 import pgq
 from pgq import schema as t
 from pgq.cli.render import dead_lines, members_lines, one_line, table, visible
+from pgq.read_models import MemberStatus
+from pgq.records import LocalBreakerState
 
 OSC = "\x1b]0;owned\x07"
 """Sets the terminal's title, even in output piped through `less -R` or a log."""
@@ -160,14 +162,18 @@ def test_tables_measure_the_escaped_text():
 
 
 def test_every_human_line_is_printable():
-    member = {
-        "name": "x\nFORGED",
-        "live": False,
-        "local_breaker": "closed\x1b[2J",
-        "last_seen": None,
-        "left_at": None,
-    }
     now = dt.datetime.now(dt.timezone.utc)
+    # `local_breaker` is a `LocalBreakerState` (the table's CHECK allows no other word)
+    member = MemberStatus(
+        name="x\nFORGED\x1b[2J",
+        live=False,
+        local_breaker=LocalBreakerState.CLOSED,
+        last_seen=now,
+        host="h\x07",
+        pid=1,
+        started_at=now,
+        left_at=None,
+    )
     assert all(line.isprintable() for line in members_lines([member], now=now))
     row = {
         "message_id": 1,

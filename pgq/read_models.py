@@ -1,0 +1,207 @@
+"""What `pgq status` and `pgq members` read, as frozen values: the typed side of DESIGN §7.
+
+`pgq.monitor` builds these from one snapshot; the CLI's human output and the
+dashboard read their fields, so mypy checks every use. Each has one `to_json()`
+that makes the contract's JSON value (DESIGN §7): its keys in the documented
+order, vocabulary words (`pgq.records`) as their plain strings, timestamps as
+UTC ISO 8601 with `+00:00` (`iso`), absent values `None`. The public dict
+functions (`pgq.status`, `pgq.monitor.members`, ...) are `to_json()` of these.
+
+Timestamps stay `datetime`s here (aware, as the database gives them) until
+`to_json()`; renderers and templates take them as they are.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from pgq.records import BreakerState, LocalBreakerState
+
+__all__ = [
+    "Counts",
+    "FrontierHolder",
+    "GroupBreaker",
+    "GroupStatus",
+    "JsonModel",
+    "MemberStatus",
+    "StatusAll",
+    "Totals",
+    "iso",
+    "json_default",
+]
+
+
+def iso(ts: dt.datetime | None) -> str | None:
+    """`ts` as UTC ISO 8601 with `+00:00` (None stays None)."""
+    if ts is None:
+        return None
+    if ts.tzinfo is None:  # timestamptz columns are always aware; be safe anyway
+        ts = ts.replace(tzinfo=dt.timezone.utc)
+    return ts.astimezone(dt.timezone.utc).isoformat()
+
+
+@runtime_checkable
+class JsonModel(Protocol):
+    """A read model: a value with its contract JSON."""
+
+    def to_json(self) -> Any: ...
+
+
+def json_default(value: object) -> Any:
+    """`json.dumps(..., default=json_default)`: a read model as its `to_json()`, so a
+    model, or a list of them, dumps exactly as the dicts they stand for."""
+    if isinstance(value, JsonModel):
+        return value.to_json()
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+@dataclass(frozen=True, slots=True)
+class MemberStatus:
+    """One member of a group as `pgq members` lists it. `live`: a heartbeat within the
+    member TTL (database clock), not left, and its session still there."""
+
+    name: str
+    live: bool
+    local_breaker: LocalBreakerState
+    last_seen: dt.datetime
+    host: str
+    pid: int
+    started_at: dt.datetime
+    left_at: dt.datetime | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "live": self.live,
+            "local_breaker": self.local_breaker.value,
+            "last_seen": iso(self.last_seen),
+            "host": self.host,
+            "pid": self.pid,
+            "started_at": iso(self.started_at),
+            "left_at": iso(self.left_at),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class GroupBreaker:
+    """The group breaker as `status` shows it. `prober` and `next_probe_at` are None
+    unless OPEN; `reconciling`: a close's refunds are still owed."""
+
+    state: BreakerState
+    since: dt.datetime | None
+    prober: str | None
+    epoch: int
+    next_probe_at: dt.datetime | None
+    reconciling: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "state": self.state.value,
+            "since": iso(self.since),
+            "prober": self.prober,
+            "epoch": self.epoch,
+            "next_probe_at": iso(self.next_probe_at),
+            "reconciling": self.reconciling,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """Rows of the group in each state now; `done` includes the pruned ones."""
+
+    ready: int
+    leased: int
+    done: int
+    dead: int
+    dead_systemic: int
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "ready": self.ready,
+            "leased": self.leased,
+            "done": self.done,
+            "dead": self.dead,
+            "dead_systemic": self.dead_systemic,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """Running counters since the group was created."""
+
+    reclaimed: int
+    released: int
+    refunded: int
+
+    def to_json(self) -> dict[str, int]:
+        return {"reclaimed": self.reclaimed, "released": self.released, "refunded": self.refunded}
+
+
+@dataclass(frozen=True, slots=True)
+class FrontierHolder:
+    """The backend with the oldest open transaction id in the cluster (`pg_stat_activity`):
+    while it stays open no group's frontier passes its transaction."""
+
+    pid: int
+    age_s: float
+    state: str | None
+    datname: str | None
+    usename: str | None
+    application_name: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "age_s": self.age_s,
+            "state": self.state,
+            "datname": self.datname,
+            "usename": self.usename,
+            "application_name": self.application_name,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStatus:
+    """`pgq status GROUP --json`: frontier, counts, totals, lag, breaker and members."""
+
+    group: str
+    topic: str
+    committed: int | None
+    counts: Counts
+    totals: Totals
+    lag: int
+    breaker: GroupBreaker
+    members: tuple[MemberStatus, ...]
+    frontier_held_by: FrontierHolder | None
+
+    @property
+    def live(self) -> int:
+        """How many of `members` are live."""
+        return sum(1 for m in self.members if m.live)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "group": self.group,
+            "topic": self.topic,
+            "committed": self.committed,
+            "counts": self.counts.to_json(),
+            "totals": self.totals.to_json(),
+            "lag": self.lag,
+            "breaker": self.breaker.to_json(),
+            "members": [m.to_json() for m in self.members],
+            "frontier_held_by": (
+                None if self.frontier_held_by is None else self.frontier_held_by.to_json()
+            ),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class StatusAll:
+    """`pgq status --json`: the status of every group, by name."""
+
+    groups: tuple[GroupStatus, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"groups": [g.to_json() for g in self.groups]}
