@@ -56,6 +56,7 @@ from pgq import monitor
 from pgq import schema as t
 from pgq.store import admin as store_admin
 from pgq.web import WebOptions, WebServer, dashboard_server
+from pgq.web.views import READERS
 
 TOKEN = "web-test-token-0123456789abcdef"
 """The admin token of the admin servers here (at least 16 characters)."""
@@ -1067,9 +1068,25 @@ def test_hung_pool_connections_do_not_keep_the_dashboard_at_503():
         )
         server.start()
         try:
-            loads = [threading.Thread(target=get, args=(server, "/groups/g")) for _ in range(8)]
-            for th in loads:
-                th.start()
+            # every reader opens its connection: the loads' reads wait on a table lock
+            # until all four readers hold one (fast reads could overlap less: one CI
+            # run saw two connections), then the lock goes before the read deadline
+            with psycopg.connect(dsn) as blocker:
+                blocker.execute("LOCK TABLE webhung.delivery IN ACCESS EXCLUSIVE MODE")
+                loads = [threading.Thread(target=get, args=(server, "/groups/g")) for _ in range(8)]
+                for th in loads:
+                    th.start()
+
+                def readers_waiting() -> bool:  # (pg_stat_activity is cached per transaction)
+                    with psycopg.connect(dsn, autocommit=True) as look:
+                        found = look.execute(
+                            "SELECT count(*) FROM pg_stat_activity WHERE application_name"
+                            " = 'pgq-web-victim' AND wait_event_type = 'Lock'"
+                        ).fetchone()
+                    return found is not None and found[0] >= READERS
+
+                wait_until(readers_waiting, 10, "every reader to wait on the lock", interval=0.01)
+                blocker.rollback()
             for th in loads:
                 th.join(30)
             with psycopg.connect(dsn, autocommit=True) as admin:
