@@ -57,7 +57,6 @@ class Fetcher(Role):
             # the member is stopping: whatever no worker started goes back now
             m.pool.shut()
             self.release(m.pool.drain() + m.take_deferred())
-            self.listener.close()
             self.conn.close()
 
     def _fetch(self) -> None:

@@ -20,11 +20,12 @@ startup `options`.
 - `SessionLock`: a session-level advisory lock held on a link: the group's probe
   lock (`probe_lock`, whose session the server ends once it idles for
   `breaker.member_ttl` while held) and each member's liveness lock (`member_lock`).
-- `Listener`: LISTEN on a link for the schema's publish channel.
+- `Listener`: LISTEN on the session link for the schema's publish channel.
 - `run_once`: one transaction on a pooled connection, for one-off calls.
 - `run_hot`: a hot-path statement compiled once and run on the driver's cursor.
 
-Each also takes an `Engine` instead of a link: it then runs on a link of its own.
+A role connection or a lock also takes an `Engine` instead of a link: it then
+runs on a link of its own.
 """
 
 from __future__ import annotations
@@ -490,11 +491,6 @@ class SessionLock:
         self._taken_in: int | None = None
         """The link's session (`generation`) in which the lock was taken."""
 
-    @property
-    def conn(self) -> Connection | None:
-        """The lock's connection (for a caller that runs statements on its session)."""
-        return self.link.conn
-
     def run(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(conn, *args)` in one transaction on the lock's session, if it is still
         the session that took the lock (else `LostLock`)."""
@@ -616,13 +612,11 @@ def _engine_of(target: Engine | Link) -> Engine:
 
 
 class Listener:
-    """LISTEN for the schema's publish channel on a link (`target`; an `Engine`
-    makes it a link of its own). Waiting holds the link only to collect what came:
-    its other roles run between looks."""
+    """LISTEN for the schema's publish channel on a member's session link. Waiting
+    holds the link only to collect what came: its other roles run between looks."""
 
-    def __init__(self, target: Engine | Link, topic: str) -> None:
-        self.link = target if isinstance(target, Link) else private_link(target, "listen")
-        self._own_link = not isinstance(target, Link)
+    def __init__(self, link: Link, topic: str) -> None:
+        self.link = link
         self.channel = notify_channel(schema_of(self.link.engine))
         self.topic = topic
         self._hooked = False
@@ -697,8 +691,3 @@ class Listener:
             except (OSError, ValueError):
                 stop.wait(min(left, STOP_CHECK))
         return False
-
-    def close(self) -> None:
-        """Close a listener's own link (a shared one stays LISTENing with it)."""
-        if self._own_link:
-            self.link.close()
