@@ -15,6 +15,7 @@ import threading
 import time
 
 from pgq.consumer.member import Member, Role
+from pgq.consumer.timing import ACK
 from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.records import Lease, Outcome, OutcomeKind
 from pgq.store import RoleConnection
@@ -38,6 +39,8 @@ class Acker(Role):
         self.finish = threading.Event()
         """Set once no more outcomes will come: flush and leave."""
         self.unwritten = 0
+        self.ack_time = member.histogram(ACK)
+        """The outcome batches' write durations, while metrics are served (else None)."""
 
     def submit(self, outcome: Outcome) -> None:
         """Queue an outcome for the next batch."""
@@ -86,12 +89,15 @@ class Acker(Role):
                     if more is None:
                         break
                     pending.append(more)
+                started = time.monotonic() if self.ack_time is not None else 0.0
                 try:
                     applied = self._write(conn, pending)
                 except DatabaseUnavailable:
                     self.unwritten = len(pending) + self.outcomes.qsize()
                     logger.error("outcomes not written count=%d (database away)", self.unwritten)
                     return
+                if self.ack_time is not None:
+                    self.ack_time.observe(time.monotonic() - started)
                 self._settle(pending, applied)
                 pending = []
                 if self.finish.is_set() and self.outcomes.empty():

@@ -23,6 +23,7 @@ from pgq.consumer.handling import Handling
 from pgq.consumer.member import Member
 from pgq.consumer.pool import ClaimPool
 from pgq.consumer.runtime import Runtime
+from pgq.consumer.timing import Timings
 from pgq.errors import DatabaseUnavailable, DuplicateMember, UsageError
 from pgq.names import check_member_name, check_name
 from pgq.records import BreakerView, GroupInfo, Message, RunSummary, StopReason
@@ -106,6 +107,7 @@ class Consumer:
         self._summary: RunSummary | None = None
         self._ran_by_run = False
         self._grace = self.settings.shutdown_grace
+        self._timings: Timings | None = None
 
     @property
     def started(self) -> bool:
@@ -207,6 +209,7 @@ class Consumer:
             until_empty=until_empty,
             max_messages=max_messages,
             wait_retries=wait_retries,
+            timings=self._timings,
         )
         session = member_lock(links.session, info.id, self.name)
         try:
@@ -271,6 +274,20 @@ class Consumer:
     def snapshot(self) -> RunSummary:
         """The running counts so far (for metrics)."""
         return self._require().summary(0)
+
+    def measure(self) -> Timings:
+        """Have the member record latency histograms (handler runs, claim statements,
+        outcome writes; `pgq.consumer.timing`) and return them (the same ones on a
+        second call). Call it before `start()`: the threads take their histograms
+        when they start; a consumer that was never asked times nothing."""
+        if self._timings is None:
+            self._timings = Timings()
+        return self._timings
+
+    def in_flight(self) -> int:
+        """Rows this member holds a lease on now (buffered, running, or waiting for
+        their outcome to be written); 0 before it started."""
+        return 0 if self._runtime is None else self._runtime.member.in_flight()
 
     def breaker_states(self) -> dict[str, bool]:
         """Which breakers are open now, as this member sees them."""

@@ -16,6 +16,7 @@ import time
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
 from pgq.consumer.prefetch import AdaptivePrefetch
+from pgq.consumer.timing import CLAIM
 from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.records import Claimed, DrainState
 from pgq.settings import ADAPTIVE
@@ -40,6 +41,8 @@ class Fetcher(Role):
         self.listener = Listener(member.links.session, member.store.topic)
         self.wake = threading.Event()
         """Set by other threads to make an idle fetcher claim at once."""
+        self.claim_time = member.histogram(CLAIM)
+        """The claim statements' durations, while metrics are served (else None)."""
         self._retries_until: float | None = None
         """With `wait_retries`: the monotonic time up to which due retries are waited for."""
         s = member.settings
@@ -96,7 +99,7 @@ class Fetcher(Role):
             if limit <= 0 or m.stop_claiming.is_set() or gate.is_open():
                 continue  # the gate may have closed while we waited for space
             try:
-                rows = self.conn.retrying(m.store.claim, limit, gate.epoch, single=True)
+                rows = self._claim(limit)
             except DatabaseUnavailable:
                 return
             if rows:
@@ -117,6 +120,17 @@ class Fetcher(Role):
                 continue
             self.wake.clear()
             self.listener.wait(m.settings.poll_interval, m.stop_claiming)
+
+    def _claim(self, limit: int) -> list[Claimed]:
+        """Claim up to `limit` rows (one statement, retried while the database is away);
+        timed while metrics are served."""
+        m = self.member
+        if self.claim_time is None:
+            return self.conn.retrying(m.store.claim, limit, self.gate.epoch, single=True)
+        started = time.monotonic()
+        rows = self.conn.retrying(m.store.claim, limit, self.gate.epoch, single=True)
+        self.claim_time.observe(time.monotonic() - started)
+        return rows
 
     def release(self, rows: list[Claimed]) -> int:
         """Hand unstarted rows back to ready (no charge); returns how many went back.

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from pgq.consumer.handling import Handling
 from pgq.consumer.pool import ClaimPool
+from pgq.consumer.timing import Histogram, Timings
 from pgq.errors import BadDsn, PermissionDenied, PgqError, SchemaMissing
 from pgq.records import Claimed, Lease, Outcome, OutcomeKind, StopReason
 from pgq.settings import Settings
@@ -75,10 +76,24 @@ class Member:
     drained_waiting: int | None = None
     """Rows waiting for a retry when the drain found the group empty: what the run
     leaves for a later run (counted then: some come due before the final pass)."""
+    timings: Timings | None = None
+    """The latency histograms, while metrics are served (`Consumer.measure()`); None
+    otherwise, and then nothing is timed."""
 
     @property
     def name(self) -> str:
         return self.store.member
+
+    def histogram(self, kind: str) -> Histogram | None:
+        """A histogram of `kind` for the calling role to write alone (`pgq.consumer.timing`),
+        or None when nothing is timed."""
+        return None if self.timings is None else self.timings.histogram(kind)
+
+    def in_flight(self) -> int:
+        """Rows this member holds a lease on now: buffered, running, or waiting for
+        their outcome to be written."""
+        with self.lock:
+            return len(self.held)
 
     def request_stop(self, reason: StopReason) -> None:
         """Ask the member to stop; the first reason given wins."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pgq.consumer.acker import Acker
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
+from pgq.consumer.timing import HANDLER
 from pgq.records import Claimed, Outcome
 
 logger = logging.getLogger("pgq.consumer")
@@ -49,6 +50,8 @@ class Worker(Role):
         self.retired = threading.Event()
         self._lock = threading.Lock()
         self.current: Attempt | None = None
+        self.handler_time = member.histogram(HANDLER)
+        """This worker's handler durations, while metrics are served (else None)."""
 
     def work(self) -> None:
         m = self.member
@@ -70,6 +73,8 @@ class Worker(Role):
         with self._lock:
             self.current = attempt
         outcome = self.member.handling.run(row)
+        if self.handler_time is not None:
+            self.handler_time.observe(self.clock() - attempt.started)
         with self._lock:
             self.current = None
             if attempt.abandoned:
