@@ -88,6 +88,10 @@ def install_signal_handlers(consumer: Consumer) -> None:
 @click.option("--name", help="member name (default host:pid:random)")
 @click.option("--metrics-port", type=click.IntRange(1, 65535), help="serve Prometheus metrics")
 @click.option(
+    "--metrics-host",
+    help="with --metrics-port: the address to serve them on (default 127.0.0.1)",
+)
+@click.option(
     "--config",
     "config_file",
     type=click.Path(dir_okay=False),
@@ -106,6 +110,7 @@ def consume(
     max_runtime: str | None,
     name: str | None,
     metrics_port: int | None,
+    metrics_host: str | None,
     config_file: str | None,
 ) -> None:
     """Run a member of GROUP, calling the handler for each message."""
@@ -113,6 +118,8 @@ def consume(
     retries = _duration(wait_retries, "--wait-retries", zero=True) or 0.0
     if wait_retries is not None and not until_empty:
         raise click.UsageError("--wait-retries needs --until-empty")
+    if metrics_host is not None and metrics_port is None:
+        raise click.UsageError("--metrics-host needs --metrics-port")
     settings = load_settings(
         config_file or state.config, env=os.environ, overrides={"workers": workers}
     )
@@ -120,9 +127,10 @@ def consume(
     consumer = Consumer(state.engine, group, handler, settings=settings, name=name)
     with contextlib.ExitStack() as serving:
         if metrics_port is not None:
-            from pgq.metrics import serving_metrics
+            from pgq.metrics import DEFAULT_HOST, serving_metrics
 
-            serving.enter_context(serving_metrics(metrics_port, consumer))
+            host = metrics_host or DEFAULT_HOST
+            serving.enter_context(serving_metrics(metrics_port, consumer, host))
         install_signal_handlers(consumer)
         try:
             summary = consumer.run(
