@@ -32,6 +32,7 @@ from werkzeug.exceptions import HTTPException
 from pgq.cli.parse import parse_age, parse_ids, parse_message_id
 from pgq.cli.render import ago, message_lines, visible
 from pgq.errors import DatabaseUnavailable, PgqError, UnknownGroup, UsageError
+from pgq.metrics import exposition
 from pgq.schema import ERROR_CLASSES
 from pgq.store import admin as store_admin
 from pgq.web.charts import sparkline
@@ -198,6 +199,14 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
     def healthz() -> Any:
         dashboard.health()  # raises DatabaseUnavailable: 503
         return jsonify({"ok": True})
+
+    @app.get("/metrics")
+    def metrics() -> Any:
+        """Every group's state in the Prometheus text format, from one `status_all` read
+        (`pgq.metrics.group_families`); like every read, no login needed."""
+        groups = dashboard.status_all().groups
+        body, content_type = exposition(groups, request.headers.get("Accept", ""))
+        return Response(body, content_type=content_type)
 
     # --- changes (admin) --------------------------------------------------------
 
