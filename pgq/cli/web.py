@@ -51,7 +51,8 @@ def web(state: State, host: str, port: int, admin: bool) -> None:
 
     Pages update themselves every 2 seconds. `/api/groups` and
     `/api/groups/GROUP` answer the JSON of `pgq status --json`; `/healthz`
-    says whether the database answers. Ctrl-C stops it.
+    says whether the database answers; `/metrics` serves every group's numbers
+    to Prometheus. Ctrl-C stops it.
     """
     web = web_extra()
     if host.startswith("[") and host.endswith("]"):
