@@ -20,6 +20,8 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
 from fractions import Fraction
 from typing import Literal
 
@@ -28,10 +30,16 @@ from pgq.backoff import capped_exponential, jitter
 
 __all__ = [
     "BreakerState",
+    "LeadMove",
     "LocalBreaker",
     "ProbeOutcome",
+    "ProbeVerdict",
     "group_should_open",
+    "judge_probe",
+    "lead_move",
+    "needs_prober",
     "probe_delay",
+    "should_try_open",
     "trip_threshold",
 ]
 
@@ -288,3 +296,104 @@ def pending_scope(
     if reconcile_epoch is not None and reconcile_from is not None:
         return reconcile_from, reconcile_epoch
     return None
+
+
+# --- the prober's and the heartbeat's decisions (DESIGN §6.2-§6.5) ----------------
+
+
+class LeadMove(Enum):
+    """What an elected prober does next, from the breaker row it just read."""
+
+    RECONCILE = "reconcile"
+    """A close still owes refunds: make them (before anything else)."""
+    FINISHED = "finished"
+    """The group is CLOSED and owes nothing: the prober's work is done."""
+    WAIT = "wait"
+    """OPEN, but the next probe is not due yet."""
+    STOP = "stop"
+    """A one-shot (`until_empty`) run ends here: the group stays OPEN (exit 75)."""
+    PROBE = "probe"
+    """OPEN and a probe is due: run one."""
+    SIT_OUT = "sit_out"
+    """The prober's turns are used up: it gives the lock up and sits out the next
+    election, so another member probes from its own host."""
+
+
+def lead_move(state: str, reconcile_owed: bool, probe_due: bool, *, one_shot: bool) -> LeadMove:
+    """The prober's next move while it holds the lock: reconcile first, finish on
+    CLOSED, probe when due, else wait (a one-shot run stops instead of waiting)."""
+    if reconcile_owed:
+        return LeadMove.RECONCILE
+    if state != records.BreakerState.OPEN:
+        return LeadMove.FINISHED
+    if probe_due:
+        return LeadMove.PROBE
+    return LeadMove.STOP if one_shot else LeadMove.WAIT
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeVerdict:
+    """What a group probe that did not succeed means for the breaker and the prober."""
+
+    systemic: bool
+    """A systemic failure (the outage goes on); else inconclusive (the row's own
+    failure, or a snooze): the next probe takes another row."""
+    failures: int
+    """The group's systemic probe failures in a row, as stored after this one."""
+    delay: float
+    """Seconds until the next group probe."""
+    turns: int
+    """This prober's systemic failures in a row under its election."""
+    then: LeadMove | None
+    """STOP (a one-shot run ends), SIT_OUT (its turns are used up), or None: the
+    prober goes on leading."""
+
+
+def judge_probe(
+    systemic: bool,
+    failures: int,
+    turns: int,
+    *,
+    interval: float,
+    interval_max: float,
+    prober_turns: int,
+    one_shot: bool,
+) -> ProbeVerdict:
+    """Judge a group probe that did not succeed (DESIGN §6.4), given the group's
+    stored systemic probe `failures` and this prober's `turns` so far.
+
+    Systemic: one more failure, the next probe after `probe_delay` of it, one more
+    turn; after `prober_turns` turns the prober sits the next election out.
+    Inconclusive: the failures and the interval stay (at least the base interval),
+    the turns start again. A one-shot run stops after any probe that did not close.
+    """
+    if systemic:
+        failures, turns = failures + 1, turns + 1
+        delay = probe_delay(failures, interval, interval_max)
+    else:
+        turns = 0
+        delay = probe_delay(max(1, failures), interval, interval_max)
+    then = None
+    if one_shot:
+        then = LeadMove.STOP
+    elif systemic and turns >= prober_turns:
+        then = LeadMove.SIT_OUT
+    return ProbeVerdict(systemic, failures, delay, turns, then)
+
+
+def should_try_open(state: str, local: str, tripped_epoch: int | None, epoch: int) -> bool:
+    """Should a heartbeat try to open the group on quorum? Only while the group is
+    CLOSED at the epoch this member's local breaker tripped under, and the local
+    breaker is still open: a trip from an older epoch (an outage since closed) never
+    counts towards a new one."""
+    return (
+        state == records.BreakerState.CLOSED
+        and local == records.LocalBreakerState.OPEN
+        and tripped_epoch == epoch
+    )
+
+
+def needs_prober(state: str, reconcile_owed: bool) -> bool:
+    """Does a member run a prober? While the group is OPEN, or a close still owes its
+    reconciliation (a prober makes it)."""
+    return state == records.BreakerState.OPEN or reconcile_owed

@@ -179,6 +179,12 @@ class DrainState:
     reconciling: bool
     """A close still owes a reconciliation (its refunds are not all made)."""
 
+    @property
+    def empty(self) -> bool:
+        """Nothing for this run to wait for: no row ready now, none held by a live
+        member, no retry due within the wait, and no reconciliation owed."""
+        return self.ready_now + self.held + self.due_soon == 0 and not self.reconciling
+
 
 @dataclass(frozen=True, slots=True)
 class BreakerView:

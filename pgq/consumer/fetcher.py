@@ -15,7 +15,7 @@ import time
 
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
-from pgq.consumer.prefetch import AdaptivePrefetch
+from pgq.consumer.prefetch import AdaptivePrefetch, claim_limit, claim_want
 from pgq.consumer.timing import CLAIM
 from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.records import Claimed, DrainState
@@ -65,13 +65,13 @@ class Fetcher(Role):
     def _fetch(self) -> None:
         m, gate = self.member, self.gate
         capacity = m.pool.capacity
-        want = max(1, min(m.settings.batch_size, capacity) // 2)
+        want = claim_want(m.settings.batch_size, capacity)
         while not m.stop_claiming.is_set():
             if self.adaptive is not None:
                 bound = self.adaptive.observe(m.tally.handled)
                 if bound is not None:
                     self.release(m.pool.resize(bound))  # handlers slowed: no hoarding
-                    capacity, want = bound, max(1, min(m.settings.batch_size, bound) // 2)
+                    capacity, want = bound, claim_want(m.settings.batch_size, bound)
             mode = "closed" if m.until_empty and gate.local.is_open else None
             mode = mode or gate.claim_mode()
             if mode != "normal":
@@ -87,15 +87,16 @@ class Fetcher(Role):
             self.release(m.take_deferred())
             # an adaptive bound is looked at every 0.1 s even while the pool is full
             free = m.pool.wait_for_space(want, timeout=0.5 if self.adaptive is None else 0.1)
-            free = min(free, gate.ramp(capacity) - len(m.pool))
-            budget = m.budget()
-            limit = min(m.settings.batch_size, free, budget if budget is not None else free)
-            room = m.room()
-            if room < limit:  # outcomes are not written as fast as rows finish
-                limit = room
-                if limit <= 0:
-                    self.wake.wait(0.05)
-                    self.wake.clear()
+            limit, held_back = claim_limit(
+                batch_size=m.settings.batch_size,
+                free=free,
+                ramped=gate.ramp(capacity) - len(m.pool),
+                budget=m.budget(),
+                room=m.room(),
+            )
+            if held_back:
+                self.wake.wait(0.05)
+                self.wake.clear()
             if limit <= 0 or m.stop_claiming.is_set() or gate.is_open():
                 continue  # the gate may have closed while we waited for space
             try:
@@ -203,5 +204,4 @@ class Fetcher(Role):
             return None
         if swept.reclaimed:
             m.count_reclaimed(swept.reclaimed)
-        waiting = state.ready_now + state.held + state.due_soon
-        return state if waiting == 0 and not state.reconciling and m.idle() else None
+        return state if state.empty and m.idle() else None

@@ -23,12 +23,13 @@ from collections.abc import Callable
 
 from sqlalchemy import Connection
 
+from pgq.breaker import needs_prober, should_try_open
 from pgq.consumer.gate import Gate
 from pgq.consumer.maintenance import Task, run_task
 from pgq.consumer.member import Member, Role
 from pgq.consumer.prober import Prober
 from pgq.errors import DatabaseUnavailable, LockNotAvailable, TransactionConflict
-from pgq.records import BreakerState, BreakerView, LocalBreakerState
+from pgq.records import BreakerState, BreakerView
 from pgq.store import LostLock, RoleConnection, SessionLock
 
 logger = logging.getLogger("pgq.breaker")
@@ -154,11 +155,7 @@ class Heartbeat(Role):
             if m.store.heartbeat(conn, local, tripped) is None:
                 return None
             view = m.store.breaker(conn)
-            if (
-                view.state == BreakerState.CLOSED
-                and local == LocalBreakerState.OPEN
-                and tripped == view.epoch
-            ):
+            if should_try_open(view.state, local, tripped, view.epoch):
                 opened = m.store.open_on_quorum(
                     conn,
                     view.epoch,
@@ -183,7 +180,7 @@ class Heartbeat(Role):
             gate.see_group(BreakerState.OPEN, opened)
         else:
             gate.see_group(view.state, view.epoch)
-        if gate.group_open or view.reconcile_epoch is not None:
+        if needs_prober(gate.group_state, view.reconcile_epoch is not None):
             self._ensure_prober()
 
     def _ensure_prober(self) -> None:

@@ -63,3 +63,26 @@ class AdaptivePrefetch:
             return None
         self.bound = bound
         return bound
+
+
+def claim_want(batch_size: int, capacity: int) -> int:
+    """Free slots the fetcher waits for before it claims: half a batch (or half the
+    pool when that is smaller), so a claim is never a trickle of single rows."""
+    return max(1, min(batch_size, capacity) // 2)
+
+
+def claim_limit(
+    *, batch_size: int, free: int, ramped: int, budget: int | None, room: int
+) -> tuple[int, bool]:
+    """How many rows the next claim may take, and whether the acker holds it back.
+
+    At most a batch, the pool's `free` slots, the `ramped` slots the ramp after a
+    group close allows, what is left of `max_messages` (`budget`, None: no limit)
+    and the `room` the acker has for outcomes. Held back (the second value) when
+    the acker's room is what stops the claim: outcomes are not written as fast as
+    rows finish, and the fetcher waits a little rather than spin.
+    """
+    limit = min(batch_size, free, ramped, free if budget is None else budget)
+    if room < limit:
+        return room, room <= 0
+    return limit, False

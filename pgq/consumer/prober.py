@@ -26,11 +26,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from pgq.breaker import probe_delay
+from pgq.breaker import LeadMove, ProbeVerdict, judge_probe, lead_move
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
 from pgq.errors import DatabaseUnavailable, PgqError
-from pgq.records import BreakerState, Claimed, ErrorClass, Outcome, OutcomeKind
+from pgq.records import BreakerState, BreakerView, Claimed, ErrorClass, Outcome, OutcomeKind
 from pgq.store import LostLock, RoleConnection, probe_lock
 
 logger = logging.getLogger("pgq.breaker")
@@ -137,84 +137,102 @@ class Prober(Role):
     # -- leading ----------------------------------------------------------------
 
     def _lead(self) -> bool:
-        """Probe, close and reconcile while holding the lock; True when finished."""
-        m, s = self.member, self.member.settings
+        """Probe, close and reconcile while holding the lock; True when finished, False
+        when the prober sits out the next election. Each step's decision is the pure
+        `lead_move` or `judge_probe`; this loop does what they say."""
+        m = self.member
         turns = 0  # systemic probe failures in a row under this election
         self.lock.run(m.store.set_prober)
         while not m.stopping.is_set():
             self.lock.check()
             view = self.conn.run(m.store.breaker)
             self.gate.see_group(view.state, view.epoch)
-            if view.reconcile_epoch is not None:
+            owed = view.reconcile_epoch is not None
+            move: LeadMove | None = lead_move(
+                view.state, owed, view.probe_due, one_shot=self.one_shot
+            )
+            if move is LeadMove.RECONCILE and view.reconcile_epoch is not None:
                 self._reconcile(view.reconcile_epoch, view.reconcile_from or 0)
                 continue
-            if view.state == BreakerState.CLOSED:
-                return True
-            if not view.probe_due:
-                if self.one_shot:
-                    m.request_stop("breaker_open")
-                    return True
+            if move is LeadMove.WAIT:
                 self._hold(0.2)
                 continue
-            outcome = self._probe(view.epoch)
-            if outcome is None:  # not due after all, or nothing at all to probe with
-                closed = self.conn.run(m.store.close_idle, view.epoch, s.breaker_max_refunds)
-                if closed is not None:  # nothing left to probe: the OPEN holds nothing back
-                    logger.info("group breaker closed with nothing left to probe epoch=%d", closed)
-                    self.gate.see_group(BreakerState.CLOSED, closed)
-                    continue
-                if self.one_shot:
-                    m.request_stop("breaker_open")
-                    return True
-                self._hold(s.breaker_probe_interval)
-                continue
-            if outcome.kind == OutcomeKind.DONE:
-                continue  # closed (the next turn reconciles), or the lock was lost
-            if outcome.error_class == ErrorClass.SYSTEMIC:
-                failures = (view.probe_failures or 0) + 1
-                delay = probe_delay(
-                    failures, s.breaker_probe_interval, s.breaker_probe_interval_max
-                )
-                self.conn.run(m.store.probe_failed, view.epoch, delay, outcome.claimed.id)
-                turns += 1
-                logger.warning(
-                    "probe failed epoch=%d failures=%d next_in=%.1fs", view.epoch, failures, delay
-                )
-                if self.one_shot:
-                    m.request_stop("breaker_open")
-                    return True
-                if turns >= s.breaker_prober_turns:
-                    logger.info("prober sits out the next election after %d failed probes", turns)
-                    self.sitting_out = True
-                    return False
-            else:
-                # message or permanent failure (or a snooze): inconclusive. The row was
-                # charged as usual; the next probe takes another row (rotation), after
-                # the current interval, stored like a systemic failure's but not doubled
-                turns = 0
-                delay = probe_delay(
-                    max(1, view.probe_failures or 0),
-                    s.breaker_probe_interval,
-                    s.breaker_probe_interval_max,
-                )
-                self.conn.run(
-                    m.store.probe_again,
-                    view.epoch,
-                    delay,
-                    "inconclusive",
-                    outcome.claimed.id,
-                    outcome.error_class,
-                )
-                logger.info(
-                    "probe inconclusive epoch=%d class=%s next_in=%.1fs",
-                    view.epoch,
-                    outcome.error_class,
-                    delay,
-                )
-                if self.one_shot:
-                    m.request_stop("breaker_open")
-                    return True
+            if move is LeadMove.PROBE:
+                outcome = self._probe(view.epoch)
+                if outcome is None:  # not due after all, or nothing at all to probe with
+                    move = self._nothing_to_probe(view.epoch)
+                elif outcome.kind == OutcomeKind.DONE:
+                    continue  # closed (the next turn reconciles), or the lock was lost
+                else:
+                    verdict = self._judged(view, outcome, turns)
+                    turns, move = verdict.turns, verdict.then
+            if move is LeadMove.STOP:
+                m.request_stop("breaker_open")
+                return True
+            if move is LeadMove.FINISHED:
+                return True
+            if move is LeadMove.SIT_OUT:
+                self.sitting_out = True
+                return False
         return True
+
+    def _nothing_to_probe(self, epoch: int) -> LeadMove | None:
+        """No probe ran: close the group if nothing is left to probe with (what next:
+        None, look again), else wait out the probe interval (a one-shot run stops)."""
+        m, s = self.member, self.member.settings
+        closed = self.conn.run(m.store.close_idle, epoch, s.breaker_max_refunds)
+        if closed is not None:  # nothing left to probe: the OPEN holds nothing back
+            logger.info("group breaker closed with nothing left to probe epoch=%d", closed)
+            self.gate.see_group(BreakerState.CLOSED, closed)
+            return None
+        if self.one_shot:
+            return LeadMove.STOP
+        self._hold(s.breaker_probe_interval)
+        return None
+
+    def _judged(self, view: BreakerView, outcome: Outcome, turns: int) -> ProbeVerdict:
+        """Store what a probe that did not succeed means (`judge_probe`): the next probe
+        time, and the failure count or the rotation to another row."""
+        m, s = self.member, self.member.settings
+        verdict = judge_probe(
+            outcome.error_class == ErrorClass.SYSTEMIC,
+            view.probe_failures or 0,
+            turns,
+            interval=s.breaker_probe_interval,
+            interval_max=s.breaker_probe_interval_max,
+            prober_turns=s.breaker_prober_turns,
+            one_shot=self.one_shot,
+        )
+        row_id = outcome.claimed.id
+        if verdict.systemic:
+            self.conn.run(m.store.probe_failed, view.epoch, verdict.delay, row_id)
+            logger.warning(
+                "probe failed epoch=%d failures=%d next_in=%.1fs",
+                view.epoch,
+                verdict.failures,
+                verdict.delay,
+            )
+        else:
+            # message or permanent failure (or a snooze): inconclusive. The row was
+            # charged as usual; the next probe takes another row (rotation), after
+            # the current interval, stored like a systemic failure's but not doubled
+            self.conn.run(
+                m.store.probe_again,
+                view.epoch,
+                verdict.delay,
+                "inconclusive",
+                row_id,
+                outcome.error_class,
+            )
+            logger.info(
+                "probe inconclusive epoch=%d class=%s next_in=%.1fs",
+                view.epoch,
+                outcome.error_class,
+                verdict.delay,
+            )
+        if verdict.then is LeadMove.SIT_OUT:
+            logger.info("prober sits out the next election after %d failed probes", verdict.turns)
+        return verdict
 
     def _probe(self, epoch: int) -> Outcome | None:
         """Run one real message as the probe; returns its (written) outcome.

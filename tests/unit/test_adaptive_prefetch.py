@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pgq.consumer.prefetch import HORIZON, WINDOW, AdaptivePrefetch
+from pgq.consumer.prefetch import HORIZON, WINDOW, AdaptivePrefetch, claim_limit, claim_want
 
 STEP = 1 / 16
 """The tests' clock step: a little over `WINDOW`, and exact in binary (steps of
@@ -79,3 +79,51 @@ def test_a_falling_pace_is_taken_at_once() -> None:
     assert prefetch.bound == 400
     clock.now += STEP
     assert prefetch.observe(finished + 5) == 16
+
+
+# --- the fetcher's claim size (`claim_want`, `claim_limit`) ------------------------
+
+
+def test_the_fetcher_waits_for_half_a_batch_or_half_the_pool() -> None:
+    assert claim_want(100, 800) == 50
+    assert claim_want(100, 16) == 8
+    assert claim_want(1, 16) == 1
+    assert claim_want(100, 1) == 1  # never zero: a one-row pool still claims
+
+
+def limit(**given: int | None) -> tuple[int, bool]:
+    base: dict[str, int | None] = {
+        "batch_size": 100,
+        "free": 400,
+        "ramped": 400,
+        "budget": None,
+        "room": 10_000,
+    }
+    base.update(given)
+    return claim_limit(**base)  # type: ignore[arg-type]
+
+
+def test_a_claim_takes_at_most_a_batch() -> None:
+    assert limit() == (100, False)
+
+
+@pytest.mark.parametrize("bound", ["free", "ramped", "budget"])
+def test_each_bound_caps_the_claim(bound: str) -> None:
+    assert limit(**{bound: 7}) == (7, False)
+
+
+def test_no_budget_left_claims_nothing_and_is_not_the_ackers_doing() -> None:
+    assert limit(budget=0) == (0, False)
+
+
+def test_the_ackers_room_caps_the_claim() -> None:
+    assert limit(room=30) == (30, False)
+
+
+def test_no_room_at_the_acker_holds_the_claim_back() -> None:
+    assert limit(room=0) == (0, True)
+
+
+def test_a_full_pool_is_not_held_back_by_the_acker() -> None:
+    """Nothing to claim anyway: the fetcher waits for space, not for the acker."""
+    assert limit(free=0, room=0) == (0, False)
