@@ -8,22 +8,36 @@ requests in flight finish and logs nothing: the loop thread stops accepting,
 waitress's task threads drain, then the loop thread closes what is left (a
 task thread that answered after the loop's pipe was closed made waitress log
 `Bad file descriptor` tracebacks; docs/defects.md).
+
+Slow and idle clients cannot starve it (`Limits`): waitress stops accepting at
+its connection limit and, by default, closes an idle connection only after
+120 s and a request that trickles in never (every byte resets its timer), so
+a hundred sockets that sent nothing locked everyone out, `/healthz` included.
+Here each connection is checked every turn of the loop (`GuardedChannel`)
+against `Limits.overdue`: idle too long, or a request that has not arrived
+whole within its deadline, is closed; when the server is crowded, both
+deadlines shrink, so idle and slow sockets go first.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import threading
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from waitress import wasyncore
-from waitress.server import create_server
+from waitress.channel import HTTPChannel
+from waitress.server import BaseWSGIServer, create_server
 
 from pgq.web.app import MAX_BODY, create_app
 from pgq.web.guard import Guard
 from pgq.web.views import Dashboard
 
-__all__ = ["WebServer"]
+__all__ = ["GuardedChannel", "Limits", "WebServer"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,9 +49,92 @@ DRAIN_TIMEOUT = 5.0
 logging.getLogger("waitress.queue").setLevel(logging.ERROR)
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """How many connections the dashboard holds and how long a client may keep one
+    without using it (seconds)."""
+
+    connections: int = 500
+    """Open connections at most (waitress's default is 100); past it the server stops
+    accepting until one closes. Each takes a file descriptor."""
+    idle: float = 30.0
+    """A connection with no request in it and no bytes moving is closed after this."""
+    request: float = 10.0
+    """A request must arrive whole (headers and body) within this of its first byte."""
+    crowded: float = 0.75
+    """From this share of `connections` on, the server is crowded: then"""
+    crowded_idle: float = 1.0
+    """idle connections are closed after this, and"""
+    crowded_request: float = 2.0
+    """requests must arrive whole within this."""
+
+    def overdue(
+        self,
+        *,
+        now: float,
+        last_activity: float,
+        started: float | None,
+        busy: bool,
+        open_connections: int,
+    ) -> bool:
+        """Whether to close a connection: its last byte in or out at `last_activity`,
+        the request it is receiving begun at `started` (None: between requests),
+        `busy` while a request of it is being answered (never closed then: the
+        answer's reads have their own deadline)."""
+        if busy:
+            return False
+        crowded = open_connections >= self.connections * self.crowded
+        if started is not None:
+            return now - started > (self.crowded_request if crowded else self.request)
+        return now - last_activity > (self.crowded_idle if crowded else self.idle)
+
+
+class GuardedChannel(HTTPChannel):  # type: ignore[misc]
+    """waitress's connection, closed when `Limits.overdue` says so. The loop calls
+    `readable()` on every connection at least once a second (its poll timeout),
+    which is where it is checked. Times are waitress's (`time.time`), so they
+    compare with its `last_activity`."""
+
+    will_close: bool  # waitress's: close once the output is flushed
+
+    def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
+        self.limits = limits
+        self.started: float | None = None  # first byte of the request being received
+        super().__init__(*args, **kwargs)
+
+    def received(self, data: bytes) -> bool:
+        before = self.request
+        result: bool = super().received(data)
+        if self.request is None:
+            self.started = None
+        elif self.request is not before:
+            self.started = time.time()
+        return result
+
+    def readable(self) -> bool:
+        if not self.will_close and self.limits.overdue(
+            now=time.time(),
+            last_activity=self.last_activity,
+            started=self.started,
+            busy=bool(self.requests),
+            open_connections=len(self._map),
+        ):
+            self.will_close = True  # writable() now, whose handle_write closes it
+        readable: bool = super().readable()
+        return readable
+
+
 class WebServer:
-    def __init__(self, dashboard: Dashboard, guard: Guard, host: str, port: int) -> None:
+    def __init__(
+        self,
+        dashboard: Dashboard,
+        guard: Guard,
+        host: str,
+        port: int,
+        limits: Limits | None = None,
+    ) -> None:
         self.dashboard = dashboard
+        limits = limits or Limits()
         self._server: Any = create_server(
             create_app(dashboard, guard, host=host, port=port),
             host=host,
@@ -46,7 +143,13 @@ class WebServer:
             ident="pgq",
             max_request_body_size=MAX_BODY,
             clear_untrusted_proxy_headers=True,
+            connection_limit=limits.connections,
+            channel_timeout=math.ceil(limits.idle),
         )
+        # the listening socket makes GuardedChannels (`create_server` takes no class)
+        for listener in list(self._server._map.values()):
+            if isinstance(listener, BaseWSGIServer):
+                listener.channel_class = functools.partial(GuardedChannel, limits=limits)
         self.host = host
         self.port = int(self._server.effective_port)
         self.admin = guard.admin

@@ -17,6 +17,7 @@ from pgq.web.app import _finalize
 from pgq.web.charts import sparkline
 from pgq.web.guard import Guard, host_allowed, same_origin
 from pgq.web.history import History, throughput
+from pgq.web.server import Limits
 from pgq.web.timeline import auto_window, timeline
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.timezone.utc)
@@ -292,3 +293,24 @@ def test_a_truncated_history_leaves_the_time_before_it_unread():
     # a history that starts at the first transition is complete, truncated or not
     first = timeline(outage(opened=120, closed=60), now=NOW, window=300, truncated=True)
     assert first.spans[0].state == "CLOSED"
+
+
+def test_connections_are_closed_when_idle_or_slow_and_sooner_when_crowded():
+    limits = Limits(connections=100, idle=30, request=10, crowded=0.75, crowded_idle=1,
+                    crowded_request=2)  # fmt: skip
+
+    def overdue(now: float, *, last: float = 0.0, started: float | None = None,
+                busy: bool = False, open_connections: int = 10) -> bool:  # fmt: skip
+        return limits.overdue(now=now, last_activity=last, started=started, busy=busy,
+                              open_connections=open_connections)  # fmt: skip
+
+    assert not overdue(30) and overdue(30.01)  # idle
+    assert not overdue(10, started=0, last=9.9) and overdue(10.01, started=0, last=10)
+    assert not overdue(74, last=73.9, started=None) and overdue(1e9, last=0, started=None)
+    assert not overdue(1e9, started=0, busy=True)  # answering: the reads have a deadline
+    # crowded from 75 open connections on
+    assert not overdue(1.5, open_connections=74) and overdue(1.01, open_connections=75)
+    assert not overdue(1, open_connections=75)
+    assert overdue(2.01, started=0, last=2, open_connections=75)
+    assert not overdue(2, started=0, last=2, open_connections=100)
+    assert not overdue(1e9, busy=True, open_connections=100)
