@@ -1,7 +1,10 @@
 """`pgq web`: the dashboard over this database (the `web` extra).
 
-Read-only unless `--admin`, which needs the token in `$PGQ_WEB_TOKEN` (never
-a flag: flags show in `ps` and shell history). Listens on 127.0.0.1 unless
+Read-only unless `--admin`, which needs admin tokens, one per person
+(`pgq.web.tokens`): `NAME:TOKEN` entries in `--tokens-file` or
+`$PGQ_WEB_TOKENS`, or one token in `$PGQ_WEB_TOKEN` (the person `admin`); never
+a token in a flag: flags show in `ps` and shell history. A weak token stops it
+at start (exit 2). Listens on 127.0.0.1 unless
 `--host` says otherwise. The database is read once before it listens, so a
 bad DSN or a missing schema is one line and exit 2, not an error page later.
 SIGTERM and SIGHUP stop it as Ctrl-C does: the requests in flight are answered,
@@ -13,6 +16,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import stat
 
 import click
 
@@ -35,6 +39,22 @@ def _loopback(host: str) -> bool:
         return False
 
 
+def _read_tokens(path: str | None) -> str | None:
+    """The tokens file's text (a warning when others may read it), or None."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise UsageError(f"cannot read the tokens file {path!r}: {reason}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        logger.warning("web tokens file readable by others path=%r (chmod 600 it)", path)
+    return text
+
+
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option(
@@ -43,10 +63,17 @@ def _loopback(host: str) -> bool:
 @click.option(
     "--admin",
     is_flag=True,
-    help="allow requeue and purge (audited) to whoever logs in with $PGQ_WEB_TOKEN",
+    help="allow requeue and purge (audited under their name) to whoever logs in with an"
+    " admin token ($PGQ_WEB_TOKEN, $PGQ_WEB_TOKENS, --tokens-file)",
+)
+@click.option(
+    "--tokens-file",
+    type=click.Path(dir_okay=False),
+    envvar="PGQ_WEB_TOKENS_FILE",
+    help="with --admin: NAME:TOKEN lines, one person each",
 )
 @pass_state
-def web(state: State, host: str, port: int, admin: bool) -> None:
+def web(state: State, host: str, port: int, admin: bool, tokens_file: str | None) -> None:
     """The dashboard: groups, breaker timelines, members, dead letters, messages.
 
     Pages update themselves every 2 seconds. `/api/groups` and
@@ -57,20 +84,13 @@ def web(state: State, host: str, port: int, admin: bool) -> None:
     web = web_extra()
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]  # `[::1]`, as URLs write it (docs/defects.md)
-    token = None
-    if admin:
-        token = os.environ.get(web.TOKEN_ENV, "")
-        if len(token) < web.MIN_TOKEN_LENGTH:
-            raise UsageError(
-                f"--admin needs a token of at least {web.MIN_TOKEN_LENGTH} characters in"
-                f" ${web.TOKEN_ENV} (for example: export {web.TOKEN_ENV}=$(openssl rand -hex 16))"
-            )
+    users = web.admin_tokens(os.environ, _read_tokens(tokens_file)) if admin else None
     settings = state.settings
     options = web.WebOptions(
         member_ttl=settings.breaker_member_ttl, max_refunds=settings.breaker_max_refunds
     )
     status_all(state.engine, member_ttl=options.member_ttl)
-    server = bind_dashboard(state.engine, host, port, token=token, options=options)
+    server = bind_dashboard(state.engine, host, port, users=users, options=options)
     if not _loopback(host):
         logger.warning(
             "web listening beyond this machine host=%s: anyone who reaches it can read"

@@ -4,7 +4,8 @@
 - `history`: the overview's charts, sampled in memory;
 - `timeline`: the breaker timeline (spans, probes, closes) of a group page;
 - `charts`: small SVG charts drawn on the server;
-- `guard`: the admin token, sessions, CSRF and Host checks;
+- `guard`: who may change things: sessions, CSRF and Host checks;
+- `tokens`: the admin tokens, one per person, and their strength rule;
 - `app`: routes, templates (`templates/`), errors, security headers;
 - `server`: waitress and the sampler thread.
 
@@ -13,19 +14,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from sqlalchemy import Engine
 
-from pgq.web.guard import MIN_TOKEN_LENGTH, TOKEN_ENV, Guard
-from pgq.web.server import WebServer
+from pgq.web.guard import Guard
+from pgq.web.server import Limits, WebServer
+from pgq.web.tokens import (
+    MIN_TOKEN_LENGTH,
+    TOKEN_ENV,
+    TOKENS_ENV,
+    TOKENS_FILE_ENV,
+    admin_tokens,
+)
 from pgq.web.views import Dashboard, WebOptions
 
 __all__ = [
     "MIN_TOKEN_LENGTH",
+    "TOKENS_ENV",
+    "TOKENS_FILE_ENV",
     "TOKEN_ENV",
     "Dashboard",
     "Guard",
+    "Limits",
     "WebOptions",
     "WebServer",
+    "admin_tokens",
     "dashboard_server",
 ]
 
@@ -37,6 +51,9 @@ def dashboard_server(
     port: int = 8080,
     token: str | None = None,
     options: WebOptions | None = None,
+    users: Mapping[str, str] | None = None,
 ) -> WebServer:
-    """A bound (not yet serving) dashboard server over `engine`; admin when `token`."""
-    return WebServer(Dashboard(engine, options or WebOptions()), Guard(token), host, port)
+    """A bound (not yet serving) dashboard server over `engine`; admin with `users`
+    (person -> token) or `token` (the person `admin`'s)."""
+    guard = Guard(users if users is not None else token)
+    return WebServer(Dashboard(engine, options or WebOptions()), guard, host, port)

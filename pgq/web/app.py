@@ -101,7 +101,11 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
     @app.context_processor
     def _user() -> dict[str, Any]:
         s = session()
-        return {"logged_in": s is not None, "csrf": s.csrf if s else ""}
+        return {
+            "logged_in": s is not None,
+            "csrf": s.csrf if s else "",
+            "user": s.user if s else "",
+        }
 
     @app.before_request
     def _check_host() -> Any:
@@ -210,16 +214,19 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
 
     # --- changes (admin) --------------------------------------------------------
 
-    def _allowed() -> None:
+    def _actor() -> str:
+        """Who makes this change, as the audit row records it (`alice (pgq web)`)."""
         if not guard.admin:
             abort(403, "this dashboard is read-only (start pgq web with --admin)")
-        if not guard.may_change(
+        user = guard.changer(
             cookie=request.cookies.get(SESSION_COOKIE),
             headers=dict(request.headers),
             form_csrf=request.form.get("csrf"),
             host=request.host,
-        ):
-            abort(403, "log in with the admin token first (or the form is stale or cross-site)")
+        )
+        if user is None:
+            abort(403, "log in with your admin token first (or the form is stale or cross-site)")
+        return f"{user} (pgq web)"
 
     def _reason() -> str:
         reason = request.form.get("reason", "")
@@ -229,9 +236,8 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
 
     @app.post("/groups/<name>/requeue")
     def requeue(name: str) -> Any:
-        _allowed()
+        actor = _actor()
         reason = _reason()
-        actor = f"{store_admin.default_actor()} (pgq web)"
         cls = request.form.get("class") or None
         if request.form.get("all") == "1":
             result = store_admin.requeue(
@@ -246,7 +252,7 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
 
     @app.post("/groups/<name>/purge")
     def purge(name: str) -> Any:
-        _allowed()
+        actor = _actor()
         reason = _reason()
         older = request.form.get("older_than", "").strip()
         result = store_admin.purge(
@@ -255,7 +261,7 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             older_than=parse_age(older) if older else None,
             reason=reason,
             max_refunds=dashboard.options.max_refunds,
-            actor=f"{store_admin.default_actor()} (pgq web)",
+            actor=actor,
         )
         kept = f", kept {result.kept} pending reconciliation" if result.kept else ""
         text = f"purged {result.count}{kept} (audit {result.audit_id})"

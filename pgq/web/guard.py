@@ -1,17 +1,18 @@
-"""Who may change what: the admin token, login sessions, cross-site checks, Host checks.
+"""Who may change what: admin tokens, login sessions, cross-site checks, Host checks.
 
 Read-only unless `pgq web --admin`; then every change (requeue, purge) needs
 either
 
-- a login session: the operator types the token once into `/login` (a POST
+- a login session: the operator types their token once into `/login` (a POST
   body, never a URL); the answer sets a random session id in an HttpOnly,
   SameSite=Strict cookie, and every form carries that session's CSRF token,
   which a change must send back; a request whose `Origin` is another site is
   refused even with both; or
 - `Authorization: Bearer <token>` (scripts; browsers never send it on their own).
 
-The token comes from the environment (`PGQ_WEB_TOKEN`), is compared in
-constant time, and is never logged. Sessions live in memory: restarting
+Each token is one person's (`pgq.web.tokens`): a change is recorded as done by
+the person whose token opened the session or came with the request. Tokens are
+compared in constant time and never logged. Sessions live in memory: restarting
 `pgq web` logs everyone out. The Host check refuses a request whose `Host`
 header names another server (DNS rebinding: a page on an attacker's name that
 resolves to 127.0.0.1) unless the app was told to listen on every interface.
@@ -27,10 +28,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-__all__ = ["MIN_TOKEN_LENGTH", "TOKEN_ENV", "Guard", "Session", "host_allowed"]
+from pgq.web.tokens import DEFAULT_USER
 
-TOKEN_ENV = "PGQ_WEB_TOKEN"
-MIN_TOKEN_LENGTH = 16
+__all__ = ["Guard", "Session", "host_allowed"]
+
 SESSION_COOKIE = "pgq_session"
 SESSION_TTL = 12 * 3600.0
 LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
@@ -42,19 +43,24 @@ class Session:
     id: str
     csrf: str
     expires: float
+    user: str
+    """The person whose token opened it."""
 
 
 class Guard:
-    """The admin token and the sessions it opened; `token` None means read-only."""
+    """The admin tokens (person -> token) and the sessions they opened; None means
+    read-only, and a single token string is the person `admin`'s."""
 
     def __init__(
         self,
-        token: str | None,
+        users: Mapping[str, str] | str | None,
         *,
         ttl: float = SESSION_TTL,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._token = token
+        if isinstance(users, str):
+            users = {DEFAULT_USER: users}
+        self._users = dict(users) if users is not None else None
         self._ttl = ttl
         self._clock = clock
         self._lock = threading.Lock()
@@ -62,18 +68,27 @@ class Guard:
 
     @property
     def admin(self) -> bool:
-        return self._token is not None
+        return self._users is not None
 
-    def token_matches(self, offered: str | None) -> bool:
-        if self._token is None or not offered:
-            return False
-        return _same_secret(offered, self._token)
+    def user_of(self, offered: str | None) -> str | None:
+        """The person whose token `offered` is, or None (every token compared, each
+        in constant time)."""
+        if not self._users or not offered:
+            return None
+        found = None
+        for user, token in self._users.items():
+            if _same_secret(offered, token):
+                found = user
+        return found
 
     def login(self, offered: str | None) -> Session | None:
-        """A new session when `offered` is the token, else None."""
-        if not self.token_matches(offered):
+        """A new session when `offered` is a person's token, else None."""
+        user = self.user_of(offered)
+        if user is None:
             return None
-        s = Session(secrets.token_urlsafe(32), secrets.token_urlsafe(32), self._clock() + self._ttl)
+        s = Session(
+            secrets.token_urlsafe(32), secrets.token_urlsafe(32), self._clock() + self._ttl, user
+        )
         with self._lock:
             now = self._clock()
             self._sessions = {k: v for k, v in self._sessions.items() if v.expires > now}
@@ -94,24 +109,25 @@ class Guard:
         with self._lock:
             self._sessions.pop(cookie or "", None)
 
-    def may_change(
+    def changer(
         self,
         *,
         cookie: str | None,
         headers: Mapping[str, str],
         form_csrf: str | None,
         host: str,
-    ) -> bool:
-        """May this request change something? See the module docstring."""
+    ) -> str | None:
+        """The person this request changes something as, or None when it may not
+        (see the module docstring)."""
         if not self.admin:
-            return False
+            return None
         auth = headers.get("Authorization", "")
         if auth.startswith("Bearer "):
-            return self.token_matches(auth[len("Bearer ") :])
+            return self.user_of(auth[len("Bearer ") :])
         s = self.session(cookie)
         if s is None or not form_csrf or not _same_secret(form_csrf, s.csrf):
-            return False
-        return same_origin(headers, host)
+            return None
+        return s.user if same_origin(headers, host) else None
 
 
 def _same_secret(offered: str, secret: str) -> bool:

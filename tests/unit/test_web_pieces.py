@@ -199,7 +199,7 @@ TOKEN = "s3cret-token-0123456789"
 def test_a_read_only_guard_never_allows_a_change():
     g = Guard(None)
     assert not g.admin and g.login(TOKEN) is None
-    assert not g.may_change(
+    assert not g.changer(
         cookie=None,
         headers={"Authorization": f"Bearer {TOKEN}"},
         form_csrf=None,
@@ -214,20 +214,20 @@ def test_sessions_need_the_token_their_csrf_and_expire():
     s = g.login(TOKEN)
     assert s is not None
     same = {"Origin": "http://127.0.0.1:8080"}
-    assert g.may_change(cookie=s.id, headers=same, form_csrf=s.csrf, host="127.0.0.1:8080")
-    assert not g.may_change(cookie=s.id, headers=same, form_csrf="x", host="127.0.0.1:8080")
-    assert not g.may_change(cookie=s.id, headers=same, form_csrf=None, host="127.0.0.1:8080")
-    assert not g.may_change(cookie="forged", headers=same, form_csrf=s.csrf, host="127.0.0.1:8080")
+    assert g.changer(cookie=s.id, headers=same, form_csrf=s.csrf, host="127.0.0.1:8080") == "admin"
+    assert not g.changer(cookie=s.id, headers=same, form_csrf="x", host="127.0.0.1:8080")
+    assert not g.changer(cookie=s.id, headers=same, form_csrf=None, host="127.0.0.1:8080")
+    assert not g.changer(cookie="forged", headers=same, form_csrf=s.csrf, host="127.0.0.1:8080")
     clock.now = 61
-    assert not g.may_change(cookie=s.id, headers=same, form_csrf=s.csrf, host="127.0.0.1:8080")
+    assert not g.changer(cookie=s.id, headers=same, form_csrf=s.csrf, host="127.0.0.1:8080")
 
 
 def test_bearer_token_needs_no_session():
     g = Guard(TOKEN)
     ok = {"Authorization": f"Bearer {TOKEN}"}
-    assert g.may_change(cookie=None, headers=ok, form_csrf=None, host="h")
+    assert g.changer(cookie=None, headers=ok, form_csrf=None, host="h") == "admin"
     bad = {"Authorization": "Bearer nope"}
-    assert not g.may_change(cookie=None, headers=bad, form_csrf=None, host="h")
+    assert not g.changer(cookie=None, headers=bad, form_csrf=None, host="h")
 
 
 @pytest.mark.parametrize(

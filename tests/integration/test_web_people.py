@@ -1,0 +1,49 @@
+"""The dashboard's admin actions name the person who made them (issue 21): a real
+server over real PostgreSQL, raw HTTP.
+
+Failed before per-person tokens: every change was audited as the one
+`user@host (pgq web)` of whoever started `pgq web`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("flask")
+
+import test_web
+from test_web import csrf_of, get, login, origin, post
+
+from pgq import monitor
+
+ALICE = "alice-token-0123456789"
+BOB = "bob-token-9876543210xyz"
+
+dead = test_web.dead
+serve = test_web.serve
+"""test_web's fixtures: group `g` with three dead rows; dashboard servers."""
+
+
+def test_each_change_is_audited_under_the_name_of_whoever_made_it(engine, dead, serve):
+    server = serve(users={"alice": ALICE, "bob": BOB})
+    cookie = login(server, ALICE)
+    page = get(server, "/groups/g", Cookie=cookie)
+    assert 'id="user">alice<' in page.body
+    form = {"ids": str(dead[0]), "reason": "alice's requeue", "csrf": csrf_of(server, cookie)}
+    answer = post(server, "/groups/g/requeue", form, Cookie=cookie, Origin=origin(server))
+    assert answer.status == 303, answer.everything()
+    bearer = post(
+        server, "/groups/g/purge", {"reason": "bob's purge"}, Authorization=f"Bearer {BOB}"
+    )
+    assert bearer.status == 200, bearer.everything()
+    by_bob, by_alice = monitor.audit(engine, "g")  # newest first
+    assert (by_alice["action"], by_alice["actor"]) == ("requeue", "alice (pgq web)")
+    assert (by_bob["action"], by_bob["actor"]) == ("purge", "bob (pgq web)")
+
+
+def test_the_single_token_is_the_person_admin(engine, dead, serve):
+    server = serve(token=ALICE)
+    answer = post(server, "/groups/g/purge", {"reason": "r"}, Authorization=f"Bearer {ALICE}")
+    assert answer.status == 200, answer.everything()
+    [row] = monitor.audit(engine, "g")
+    assert row["actor"] == "admin (pgq web)"
