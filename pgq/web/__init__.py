@@ -6,6 +6,7 @@
 - `charts`: small SVG charts drawn on the server;
 - `guard`: who may change things: sessions, CSRF and Host checks;
 - `tokens`: the admin tokens, one per person, and their strength rule;
+- `throttle`: failed token attempts, limited per client;
 - `app`: routes, templates (`templates/`), errors, security headers;
 - `server`: waitress and the sampler thread.
 

@@ -36,7 +36,7 @@ from pgq.metrics import exposition
 from pgq.schema import ERROR_CLASSES
 from pgq.store import admin as store_admin
 from pgq.web.charts import sparkline
-from pgq.web.guard import SESSION_COOKIE, Guard, host_allowed
+from pgq.web.guard import SESSION_COOKIE, Guard, Throttled, host_allowed
 from pgq.web.views import Dashboard
 
 __all__ = ["create_app"]
@@ -135,6 +135,13 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             return jsonify({"error": visible(str(exc))}), code
         return _page("error.html", code, title=_TITLES[code], text=str(exc))
 
+    @app.errorhandler(Throttled)
+    def _throttled(exc: Throttled) -> Any:
+        text = f"too many failed token attempts from your address: try again in {exc.retry_after} s"
+        resp = _page("error.html", 429, title="Too many attempts", text=text)
+        resp.headers["Retry-After"] = str(exc.retry_after)
+        return resp
+
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException) -> Any:
         code = exc.code or 500
@@ -223,6 +230,7 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             headers=dict(request.headers),
             form_csrf=request.form.get("csrf"),
             host=request.host,
+            address=request.remote_addr,
         )
         if user is None:
             abort(403, "log in with your admin token first (or the form is stale or cross-site)")
@@ -282,7 +290,7 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             abort(403, "this dashboard is read-only (start pgq web with --admin)")
         if request.method != "POST":  # GET, and HEAD as GET (docs/defects.md)
             return _page("login.html", failed=False)
-        s = guard.login(request.form.get("token"))
+        s = guard.login(request.form.get("token"), request.remote_addr)
         if s is None:
             return _page("login.html", 403, failed=True)
         resp = redirect(url_for("overview"), 303)

@@ -12,7 +12,8 @@ either
 
 Each token is one person's (`pgq.web.tokens`): a change is recorded as done by
 the person whose token opened the session or came with the request. Tokens are
-compared in constant time and never logged. Sessions live in memory: restarting
+compared in constant time and never logged; failed attempts are throttled per
+client (`pgq.web.throttle`: `Throttled`). Sessions live in memory: restarting
 `pgq web` logs everyone out. The Host check refuses a request whose `Host`
 header names another server (DNS rebinding: a page on an attacker's name that
 resolves to 127.0.0.1) unless the app was told to listen on every interface.
@@ -28,9 +29,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from pgq.web.throttle import Throttle
 from pgq.web.tokens import DEFAULT_USER
 
-__all__ = ["Guard", "Session", "host_allowed"]
+__all__ = ["Guard", "Session", "Throttled", "host_allowed"]
 
 SESSION_COOKIE = "pgq_session"
 SESSION_TTL = 12 * 3600.0
@@ -47,6 +49,14 @@ class Session:
     """The person whose token opened it."""
 
 
+class Throttled(Exception):
+    """Too many failed token attempts from this client: try again in `retry_after` s."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"too many failed attempts: try again in {retry_after} s")
+        self.retry_after = retry_after
+
+
 class Guard:
     """The admin tokens (person -> token) and the sessions they opened; None means
     read-only, and a single token string is the person `admin`'s."""
@@ -57,12 +67,14 @@ class Guard:
         *,
         ttl: float = SESSION_TTL,
         clock: Callable[[], float] = time.monotonic,
+        throttle: Throttle | None = None,
     ) -> None:
         if isinstance(users, str):
             users = {DEFAULT_USER: users}
         self._users = dict(users) if users is not None else None
         self._ttl = ttl
         self._clock = clock
+        self.throttle = throttle or Throttle(clock=clock)
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
 
@@ -81,9 +93,24 @@ class Guard:
                 found = user
         return found
 
-    def login(self, offered: str | None) -> Session | None:
-        """A new session when `offered` is a person's token, else None."""
+    def _attempt(self, offered: str | None, address: str | None) -> str | None:
+        """`user_of(offered)`, throttled per client `address` (raises `Throttled`)."""
+        wait = self.throttle.retry_after(address)
+        if wait:
+            raise Throttled(wait)
         user = self.user_of(offered)
+        if user is None:
+            self.throttle.failed(address)
+        else:
+            self.throttle.succeeded(address)
+        return user
+
+    def login(self, offered: str | None, address: str | None = None) -> Session | None:
+        """A new session when `offered` is a person's token, else None; `Throttled`
+        after too many failures from `address`."""
+        if not self.admin:
+            return None
+        user = self._attempt(offered, address)
         if user is None:
             return None
         s = Session(
@@ -116,14 +143,16 @@ class Guard:
         headers: Mapping[str, str],
         form_csrf: str | None,
         host: str,
+        address: str | None = None,
     ) -> str | None:
         """The person this request changes something as, or None when it may not
-        (see the module docstring)."""
+        (see the module docstring); `Throttled` for a Bearer token from a client
+        `address` with too many failures."""
         if not self.admin:
             return None
         auth = headers.get("Authorization", "")
         if auth.startswith("Bearer "):
-            return self.user_of(auth[len("Bearer ") :])
+            return self._attempt(auth[len("Bearer ") :], address)
         s = self.session(cookie)
         if s is None or not form_csrf or not _same_secret(form_csrf, s.csrf):
             return None

@@ -1,8 +1,9 @@
-"""The dashboard's admin actions name the person who made them (issue 21): a real
-server over real PostgreSQL, raw HTTP.
+"""The dashboard's admin actions name the person who made them, and token guesses
+are throttled (issue 21): a real server over real PostgreSQL, raw HTTP.
 
 Failed before per-person tokens: every change was audited as the one
-`user@host (pgq web)` of whoever started `pgq web`.
+`user@host (pgq web)` of whoever started `pgq web`, and `/login` answered a
+sixth, seventh, ... wrong token with another 403, without end.
 """
 
 from __future__ import annotations
@@ -47,3 +48,19 @@ def test_the_single_token_is_the_person_admin(engine, dead, serve):
     assert answer.status == 200, answer.everything()
     [row] = monitor.audit(engine, "g")
     assert row["actor"] == "admin (pgq web)"
+
+
+def test_failed_logins_are_throttled_with_retry_after(engine, dead, serve):
+    server = serve(users={"alice": ALICE})
+    for _ in range(5):
+        assert post(server, "/login", {"token": "guess-guess-guess-1"}).status == 403
+    for attempt in (
+        post(server, "/login", {"token": ALICE}),  # the right token too
+        post(server, "/groups/g/purge", {"reason": "r"}, Authorization=f"Bearer {ALICE}"),
+    ):
+        assert attempt.status == 429, attempt.everything()
+        assert 1 <= int(attempt.header("Retry-After")) <= 60
+        assert "try again in" in attempt.body
+        assert attempt.header("Set-Cookie") == ""
+    assert monitor.audit(engine, "g") == []
+    assert get(server, "/healthz").status == 200  # reading is never throttled

@@ -1,4 +1,5 @@
-"""The dashboard's admin tokens, one per person, and their strength rule (issue 21)."""
+"""The dashboard's admin tokens, one per person, their strength rule, and the
+throttle on failed attempts: exact, with an injected clock (issue 21)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,21 @@ import pytest
 pytest.importorskip("flask")
 
 from pgq.errors import UsageError
-from pgq.web.guard import Guard
+from pgq.web.guard import Guard, Throttled
+from pgq.web.throttle import Throttle, client_of
 from pgq.web.tokens import admin_tokens, parse_tokens, weakness
 
 ALICE = "alice-token-0123456789"
 BOB = "bob-token-9876543210xyz"
 HOST = "127.0.0.1:8080"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 # -- strength -------------------------------------------------------------------------
@@ -94,7 +104,7 @@ def test_bad_token_lists_are_one_line_naming_where(environ, file_text, says):
 
 def test_a_session_and_a_bearer_token_name_their_person():
     g = Guard({"alice": ALICE, "bob": BOB})
-    s = g.login(ALICE)
+    s = g.login(ALICE, "10.0.0.1")
     assert s is not None and s.user == "alice"
     same = {"Origin": f"http://{HOST}"}
     assert g.changer(cookie=s.id, headers=same, form_csrf=s.csrf, host=HOST) == "alice"
@@ -102,3 +112,61 @@ def test_a_session_and_a_bearer_token_name_their_person():
     assert g.changer(cookie=None, headers=bearer, form_csrf=None, host=HOST) == "bob"
     assert g.user_of(ALICE + "x") is None and g.user_of("") is None
     assert Guard(ALICE).user_of(ALICE) == "admin"  # the one token of $PGQ_WEB_TOKEN
+
+
+# -- throttling ---------------------------------------------------------------------------
+
+
+def test_five_failures_a_minute_then_429_until_the_oldest_leaves_the_window():
+    clock = Clock()
+    g = Guard({"alice": ALICE}, clock=clock)
+    for k in range(5):
+        clock.now = 1000.0 + k
+        assert g.login("wrong", "10.0.0.1") is None
+    clock.now = 1010.0
+    with pytest.raises(Throttled) as throttled:
+        g.login(ALICE, "10.0.0.1")  # the right token too: a guesser learns nothing
+    assert throttled.value.retry_after == 50  # the first failure (1000) leaves at 1060
+    bearer = {"Authorization": f"Bearer {ALICE}"}
+    with pytest.raises(Throttled):
+        g.changer(cookie=None, headers=bearer, form_csrf=None, host=HOST, address="10.0.0.1")
+    assert g.login(ALICE, "10.0.0.2") is not None  # another client is not held back
+    clock.now = 1059.5
+    with pytest.raises(Throttled) as throttled:
+        g.login(ALICE, "10.0.0.1")
+    assert throttled.value.retry_after == 1
+    clock.now = 1060.0
+    assert g.login("wrong", "10.0.0.1") is None  # 1001..1004 and 1060: five in the minute
+    with pytest.raises(Throttled) as throttled:
+        g.login(ALICE, "10.0.0.1")
+    assert throttled.value.retry_after == 1  # 1001 leaves at 1061
+    clock.now = 1061.0
+    assert g.login(ALICE, "10.0.0.1") is not None  # a success forgets the failures
+    for _ in range(4):
+        assert g.login("wrong", "10.0.0.1") is None
+    assert g.throttle.retry_after("10.0.0.1") == 0
+
+
+def test_a_bearer_failure_counts_as_a_login_failure():
+    clock = Clock()
+    g = Guard({"alice": ALICE}, clock=clock)
+    bad = {"Authorization": "Bearer guess-guess-guess-guess"}
+    for _ in range(5):
+        assert g.changer(cookie=None, headers=bad, form_csrf=None, host=HOST, address="::1") is None
+    with pytest.raises(Throttled):
+        g.login(ALICE, "::1")
+
+
+def test_an_ipv6_client_is_its_64_and_memory_stays_bounded():
+    assert client_of("2001:db8:1:2:aaaa::1") == client_of("2001:db8:1:2:bbbb::7")
+    assert client_of("2001:db8:1:3::1") != client_of("2001:db8:1:2::1")
+    assert client_of("::ffff:10.0.0.1") == client_of("10.0.0.1") == "10.0.0.1"
+    clock = Clock()
+    t = Throttle(limit=2, window=60, max_clients=100, clock=clock)
+    for k in range(10_000):
+        t.failed(f"10.{k // 65536}.{k // 256 % 256}.{k % 256}")
+    assert len(t) == 100
+    t.failed("10.9.9.9")
+    t.failed("10.9.9.9")
+    assert t.retry_after("10.9.9.9") == 60
+    assert t.retry_after("10.0.0.0") == 0  # forgotten first: the least recent
