@@ -121,7 +121,7 @@ def test_more_than_a_hundred_idle_and_trickling_sockets_leave_it_answering(engin
 @pytest.mark.slow
 def test_past_the_connection_limit_idle_and_slow_clients_are_dropped_first(engine):
     """More sockets than the limit: the crowded server drops the idle ones after
-    `pressure_idle` and the slow loris after `pressure_request`, and answers."""
+    `crowded_idle` and the slow loris after `crowded_request`, and answers."""
     pgq.create_topic(engine, "t")
     pgq.subscribe(engine, "g", "t")
     limits = Limits(connections=40)
