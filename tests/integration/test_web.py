@@ -1052,6 +1052,29 @@ def test_a_huge_body_is_refused_before_it_is_read(engine, dead, serve):
 
 
 @pytest.mark.slow
+def fill_the_readers(server: Any, dsn: str) -> None:
+    """Load pages while a table lock holds their reads, until every dashboard reader
+    waits on it with a connection of its own; then let them finish."""
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute("LOCK TABLE webhung.delivery IN ACCESS EXCLUSIVE MODE")
+        loads = [threading.Thread(target=get, args=(server, "/groups/g")) for _ in range(8)]
+        for th in loads:
+            th.start()
+
+        def readers_waiting() -> bool:  # (pg_stat_activity is cached per transaction)
+            with psycopg.connect(dsn, autocommit=True) as look:
+                found = look.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name"
+                    " = 'pgq-web-victim' AND wait_event_type = 'Lock'"
+                ).fetchone()
+            return found is not None and found[0] >= READERS
+
+        wait_until(readers_waiting, 10, "every reader to wait on the lock", interval=0.01)
+        blocker.rollback()
+    for th in loads:
+        th.join(30)
+
+
 def test_hung_pool_connections_do_not_keep_the_dashboard_at_503():
     """The pool's connections hang (their backends SIGSTOPped, on an embedded server
     of this test's own: never the shared one); the database still takes new
@@ -1077,31 +1100,26 @@ def test_hung_pool_connections_do_not_keep_the_dashboard_at_503():
         try:
             # every reader opens its connection: the loads' reads wait on a table lock
             # until all four readers hold one (fast reads could overlap less: one CI
-            # run saw two connections), then the lock goes before the read deadline
-            with psycopg.connect(dsn) as blocker:
-                blocker.execute("LOCK TABLE webhung.delivery IN ACCESS EXCLUSIVE MODE")
-                loads = [threading.Thread(target=get, args=(server, "/groups/g")) for _ in range(8)]
-                for th in loads:
-                    th.start()
+            # run saw two connections), then the lock goes. A reader that waited past
+            # the read deadline (a loaded machine) has its connection cut and
+            # discarded: then the pool is filled again, until it holds all four
+            def victims() -> list[int]:
+                with psycopg.connect(dsn, autocommit=True) as look:
+                    rows = look.execute(
+                        "SELECT pid FROM pg_stat_activity"
+                        " WHERE application_name = 'pgq-web-victim' AND state = 'idle'"
+                    ).fetchall()
+                return [pid for (pid,) in rows]
 
-                def readers_waiting() -> bool:  # (pg_stat_activity is cached per transaction)
-                    with psycopg.connect(dsn, autocommit=True) as look:
-                        found = look.execute(
-                            "SELECT count(*) FROM pg_stat_activity WHERE application_name"
-                            " = 'pgq-web-victim' AND wait_event_type = 'Lock'"
-                        ).fetchone()
-                    return found is not None and found[0] >= READERS
-
-                wait_until(readers_waiting, 10, "every reader to wait on the lock", interval=0.01)
-                blocker.rollback()
-            for th in loads:
-                th.join(30)
+            victim.dispose()  # its set-up connections are not the dashboard's readers
+            for _ in range(10):
+                fill_the_readers(server, dsn)
+                if len(victims()) >= READERS:
+                    break
+            for pid in victims():
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
             with psycopg.connect(dsn, autocommit=True) as admin:
-                for (pid,) in admin.execute(
-                    "SELECT pid FROM pg_stat_activity WHERE application_name = 'pgq-web-victim'"
-                ).fetchall():
-                    os.kill(pid, signal.SIGSTOP)
-                    stopped.append(pid)
                 assert admin.execute("SELECT 1").fetchone() == (1,)
             assert len(stopped) >= 4, stopped  # enough to hold every reader
 
