@@ -162,7 +162,12 @@ def _group(rows: inspect.GroupRows) -> GroupStatus:
         breaker=_breaker(row, rows.prober),
         members=tuple(_member(m) for m in rows.members),
         frontier_held_by=_holder(rows.holder),
+        oldest_ready_age_s=_age(rows.oldest_ready_age_s),
     )
+
+
+def _age(seconds: float | None) -> float | None:
+    return None if seconds is None else round(max(seconds, 0.0), 3)
 
 
 def read_status(
@@ -188,8 +193,9 @@ def status(
     Keys: group, topic, committed, counts {ready, leased, done, dead,
     dead_systemic}, totals {reclaimed, released, refunded}, lag, breaker
     {state, since, prober, epoch, next_probe_at, reconciling}, members (as
-    `members` lists them), and frontier_held_by (the backend with the oldest open transaction in the
-    cluster, or None). `read_status` is the same as a typed `GroupStatus`.
+    `members` lists them), frontier_held_by (the backend with the oldest open transaction in the
+    cluster, or None) and oldest_ready_age_s (seconds the oldest row ready now has
+    been claimable, None when none is). `read_status` is the same as a typed `GroupStatus`.
     """
     return read_status(
         engine, group, member_ttl=member_ttl, departed_within=departed_within

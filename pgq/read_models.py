@@ -164,7 +164,12 @@ class FrontierHolder:
 
 @dataclass(frozen=True, slots=True)
 class GroupStatus:
-    """`pgq status GROUP --json`: frontier, counts, totals, lag, breaker and members."""
+    """`pgq status GROUP --json`: frontier, counts, totals, lag, breaker and members.
+
+    `oldest_ready_age_s`: seconds the oldest row ready now (state ready,
+    `available_at` passed) has been claimable, by the database clock; None when
+    no row is ready now.
+    """
 
     group: str
     topic: str
@@ -175,6 +180,7 @@ class GroupStatus:
     breaker: GroupBreaker
     members: tuple[MemberStatus, ...]
     frontier_held_by: FrontierHolder | None
+    oldest_ready_age_s: float | None = None
 
     @property
     def live(self) -> int:
@@ -194,6 +200,7 @@ class GroupStatus:
             "frontier_held_by": (
                 None if self.frontier_held_by is None else self.frontier_held_by.to_json()
             ),
+            "oldest_ready_age_s": self.oldest_ready_age_s,
         }
 
 

@@ -87,6 +87,26 @@ def _groups() -> Select[Any]:
 
 
 @cache
+def oldest_ready() -> Select[Any]:
+    """`age_s`: seconds the oldest row of group `:group_id` that is ready now (state
+    ready, `available_at <= now()`) has been claimable, `now() - available_at`; NULL
+    when no row is ready now.
+
+    One probe of `delivery_ready_idx` (group_id, available_at, message_id WHERE
+    ready): the planner rewrites the `min` into an index-only scan under a
+    `LIMIT 1` whose index condition is the group and the bound, so its cost does
+    not grow with the lag (`status` runs it once per group).
+    """
+    d = t.delivery
+    waited = func.now() - func.min(d.c.available_at)
+    return select(cast(func.extract("epoch", waited), Float).label("age_s")).where(
+        d.c.group_id == bindparam("group_id", type_=Integer),
+        d.c.state == RowState.READY.value,
+        d.c.available_at <= func.now(),
+    )
+
+
+@cache
 def group_row() -> Select[Any]:
     """Group `:group_id`: frontier, running totals and its breaker row."""
     return _groups().where(t.consumer_group.c.id == bindparam("group_id", type_=Integer))

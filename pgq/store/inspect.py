@@ -39,13 +39,22 @@ def snapshot(engine: Engine) -> Iterator[Connection]:
 
 @dataclass(frozen=True, slots=True)
 class GroupRows:
-    """One group as read for `status`: its row, counts, members and the xmin holder."""
+    """One group as read for `status`: its row, counts, members, the xmin holder, the
+    prober and the age of its oldest row ready now."""
 
     row: Row[Any]
     counts: Mapping[str, Any] | None
     members: list[Row[Any]]
     holder: Row[Any] | None
     prober: str | None
+    oldest_ready_age_s: float | None
+
+
+def _oldest_ready(conn: Connection, gid: int) -> float | None:
+    """Seconds the oldest row of group `gid` that is ready now has been claimable,
+    None when none is (`q.oldest_ready`: one index probe)."""
+    age = conn.execute(q.oldest_ready(), {"group_id": gid}).scalar_one()
+    return None if age is None else float(age)
 
 
 def _probers(conn: Connection, gid: int | None) -> dict[int, str]:
@@ -105,7 +114,8 @@ def group_status(engine: Engine, group: str, member_ttl: float, recent: float | 
         counts = conn.execute(q.group_counts(), {"group_id": gid}).one()._asdict()
         members = _members(conn, member_ttl, recent, gid)
         prober = _probers(conn, gid).get(gid)
-        return GroupRows(row, counts, members, _holders(conn, [gid])[gid], prober)
+        oldest = _oldest_ready(conn, gid)
+        return GroupRows(row, counts, members, _holders(conn, [gid])[gid], prober, oldest)
 
 
 def all_group_status(engine: Engine, member_ttl: float, recent: float | None) -> list[GroupRows]:
@@ -118,8 +128,16 @@ def all_group_status(engine: Engine, member_ttl: float, recent: float | None) ->
         for m in _members(conn, member_ttl, recent):
             members.setdefault(m.group_id, []).append(m)
         holders = _holders(conn, [r.id for r in rows])
+        oldest = {r.id: _oldest_ready(conn, r.id) for r in rows}  # an index probe each
     return [
-        GroupRows(r, counts.get(r.id), members.get(r.id, []), holders.get(r.id), probers.get(r.id))
+        GroupRows(
+            r,
+            counts.get(r.id),
+            members.get(r.id, []),
+            holders.get(r.id),
+            probers.get(r.id),
+            oldest[r.id],
+        )
         for r in rows
     ]
 
