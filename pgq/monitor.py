@@ -43,6 +43,7 @@ __all__ = [
     "CHECK_EXIT_CODES",
     "DEFAULT_AUDIT_LIMIT",
     "DEFAULT_HISTORY_LIMIT",
+    "DEFAULT_MAX_AGE",
     "DEFAULT_MAX_REFUNDS",
     "DEFAULT_MEMBER_TTL",
     "DEFAULT_PROBE_LIMIT",
@@ -56,12 +57,14 @@ __all__ = [
     "dead_split",
     "frontier_held_by",
     "iso",
+    "live_members",
     "members",
     "message",
     "pending_scope",
     "read_members",
     "read_status",
     "read_status_all",
+    "span",
     "status",
     "status_all",
 ]
@@ -87,6 +90,10 @@ DEFAULT_MAX_REFUNDS: int = int(DEFAULTS["breaker_max_refunds"])
 
 CHECK_EXIT_CODES: Mapping[str, int] = {"OK": 0, "WARNING": 1, "CRITICAL": 2, "UNKNOWN": 3}
 """`pgq check`'s Nagios exit code for each state word."""
+
+DEFAULT_MAX_AGE: tuple[float, float | None] = (900.0, 3600.0)
+"""`pgq check --max-age`: seconds the oldest row ready now may have been claimable
+before the check is WARNING, and CRITICAL (15 min, 1 h)."""
 
 
 def _member(row: Any) -> MemberStatus:
@@ -347,6 +354,49 @@ def _dead_parts(dead: Mapping[str, int], pending: int) -> str:
     return ", ".join(f"{n} {what}" for n, what in parts if n > 0)
 
 
+def span(seconds: float) -> str:
+    """A duration as `check` writes it: `3.2 s`, `15 min`, `1 min 35 s`, `2 h 1 min`,
+    `1 d 1 h` (the two largest units, whole; tenths of a second under a minute)."""
+    if seconds < 60:
+        return f"{round(seconds, 1):g} s"
+    units = (("d", 86400), ("h", 3600), ("min", 60), ("s", 1))
+    whole = int(seconds)
+    first = next(i for i, (_, size) in enumerate(units) if whole >= size)
+    parts = []
+    for unit, size in units[first : first + 2]:
+        n, whole = divmod(whole, size)
+        if n:
+            parts.append(f"{n} {unit}")
+    return " ".join(parts)
+
+
+def live_members(live: int, tripped: int) -> str:
+    """`live` members, `tripped` of them with their local breaker open, in words:
+    `no live member`, `2 live members`, `1 live member, its local breaker open`,
+    `3 live members, every local breaker open`, `3 live members, 1 with its local
+    breaker open`."""
+    if live == 0:
+        return "no live member"
+    text = f"{live} live member{'' if live == 1 else 's'}"
+    if tripped >= live:
+        return text + (", its local breaker open" if live == 1 else ", every local breaker open")
+    if tripped:
+        return text + f", {tripped} with its local breaker open"
+    return text
+
+
+def _stall(age: float | None, max_age: tuple[float, float | None]) -> tuple[str, float] | None:
+    """The state word a wait of `age` seconds earns and the limit it passed, or None."""
+    warn, crit = max_age
+    if age is None:
+        return None
+    if crit is not None and age > crit:
+        return "CRITICAL", crit
+    if age > warn:
+        return "WARNING", warn
+    return None
+
+
 def check_verdict(
     *,
     state: str,
@@ -355,29 +405,43 @@ def check_verdict(
     dead: Mapping[str, int],
     lag: int,
     committed: int | None,
+    oldest_ready_age_s: float | None,
+    live: int,
+    tripped: int,
+    max_age: tuple[float, float | None] = DEFAULT_MAX_AGE,
 ) -> tuple[str, str]:
     """The `pgq check` state word and line for a group's numbers (pure; see `check`).
 
     `dead` has the keys of `pgq.sql.admin.check_dead` (`dead`, `message`,
     `permanent`, `lease`, `systemic`, `capped`, `pending`, `pending_ready`);
-    `reconciling` is true while a reconciliation is owed.
+    `reconciling` is true while a reconciliation is owed; `oldest_ready_age_s`
+    the seconds the oldest row ready now has been claimable (None: none is);
+    `live` the live members and `tripped` how many of them have their local
+    breaker open; `max_age` the WARNING and CRITICAL limits of that wait (a
+    CRITICAL of None: a stall is never worse than WARNING).
     """
     pending = dead["pending"]  # zero unless a reconciliation is coming or owed
     real = dead["dead"] - pending
-    notes = []
+    members = live_members(live, tripped)
+    found: list[tuple[str, str]] = []  # (state word, what), the worst word wins
+    if real > 0:
+        found.append(("CRITICAL", f"{real} dead rows ({_dead_parts(dead, pending)})"))
+    stall = _stall(oldest_ready_age_s, max_age)
+    if stall is not None and oldest_ready_age_s is not None:
+        waited, limit = span(oldest_ready_age_s), span(stall[1])
+        what = f"oldest ready row claimable for {waited} (over {limit}), {members}"
+        found.append((stall[0], what))
     if state == BreakerState.OPEN:
-        notes.append(f"breaker open, {pending} dead rows pending reconciliation")
+        found.append(("WARNING", f"breaker open, {pending} dead rows pending reconciliation"))
     elif reconciling:
         owed = pending + dead["pending_ready"]
-        notes.append(f"reconciliation in progress, {owed} rows to refund")
-    if real > 0:
-        line = f"CRITICAL: {real} dead rows ({_dead_parts(dead, pending)})"
-        return "CRITICAL", "; ".join([line, *notes])
-    if notes:
-        return "WARNING", "WARNING: " + "; ".join(notes)
+        found.append(("WARNING", f"reconciliation in progress, {owed} rows to refund"))
+    if found:
+        word = max((w for w, _ in found), key=CHECK_EXIT_CODES.__getitem__)
+        return word, f"{word}: " + "; ".join(what for _, what in found)
     return "OK", (
         f"OK: breaker {state} (epoch {epoch}), lag {lag},"
-        f" committed {committed if committed is not None else 'none'}, no dead rows"
+        f" committed {committed if committed is not None else 'none'}, no dead rows, {members}"
     )
 
 
@@ -387,7 +451,7 @@ def dead_split(
     """`{"dead", "pending", "real"}`: the dead rows of `group`, those a coming or owed
     reconciliation will refund (`pending`, as `check` counts them) and the rest
     (`real` dead letters). Raises like `check`."""
-    return _split(inspect.check_rows(engine, group, max_refunds)[1])
+    return _split(inspect.check_rows(engine, group, max_refunds, DEFAULT_MEMBER_TTL).dead)
 
 
 def _split(dead_row: Any) -> dict[str, int]:
@@ -396,14 +460,26 @@ def _split(dead_row: Any) -> dict[str, int]:
 
 
 def check_and_split(
-    engine: Engine, group: str, max_refunds: int = DEFAULT_MAX_REFUNDS
+    engine: Engine,
+    group: str,
+    max_refunds: int = DEFAULT_MAX_REFUNDS,
+    *,
+    max_age: tuple[float, float | None] = DEFAULT_MAX_AGE,
+    member_ttl: float = DEFAULT_MEMBER_TTL,
 ) -> tuple[str, str, dict[str, int]]:
     """`check` and `dead_split` of `group` from one read (the dashboard's group page)."""
-    row, dead_row = inspect.check_rows(engine, group, max_refunds)
-    return (*_verdict(row, dead_row), _split(dead_row))
+    rows = inspect.check_rows(engine, group, max_refunds, member_ttl)
+    return (*_verdict(rows, max_age), _split(rows.dead))
 
 
-def check(engine: Engine, group: str, max_refunds: int = DEFAULT_MAX_REFUNDS) -> tuple[str, str]:
+def check(
+    engine: Engine,
+    group: str,
+    max_refunds: int = DEFAULT_MAX_REFUNDS,
+    *,
+    max_age: tuple[float, float | None] = DEFAULT_MAX_AGE,
+    member_ttl: float = DEFAULT_MEMBER_TTL,
+) -> tuple[str, str]:
     """`pgq check GROUP`: the state word (`OK`, `WARNING`, `CRITICAL`) and the one line.
 
     While the group breaker is OPEN its dead systemic rows that the coming
@@ -412,26 +488,39 @@ def check(engine: Engine, group: str, max_refunds: int = DEFAULT_MAX_REFUNDS) ->
     rows pending reconciliation`, also when N is 0. While a reconciliation is
     still owed after a close: WARNING `reconciliation in progress, N rows to
     refund` (those dead rows and the ready ones it owes), also when N is 0.
-    Every other dead row is a real dead letter: CRITICAL, which wins over
-    WARNING; rows past the refund cap say `refund cap reached`, and
-    systemic rows no reconciliation covers (a lone bad node's, an old
-    outage's) count as real too. Otherwise OK with lag, frontier and breaker.
+    Every other dead row is a real dead letter: CRITICAL; rows past the refund
+    cap say `refund cap reached`, and systemic rows no reconciliation covers (a
+    lone bad node's, an old outage's) count as real too.
+
+    A stall is a state too: when the oldest row ready now (state ready,
+    `available_at` passed) has been claimable longer than `max_age[0]` seconds
+    it is WARNING, longer than `max_age[1]` CRITICAL (None: never), and the
+    line says how many members are live (`member_ttl`) and how many of them
+    have their local breaker open: a dead consumer, a cron entry that stopped
+    running, a lone member whose local breaker is open. The worst state wins.
+    Otherwise OK with lag, frontier, breaker and the live members.
     `CHECK_EXIT_CODES` maps the word to the Nagios exit code.
 
     Raises `UnknownGroup`, `DatabaseUnavailable`, `SchemaMissing`, ... like
     the other functions here; the CLI turns those into `UNKNOWN` (exit 3).
     """
-    return _verdict(*inspect.check_rows(engine, group, max_refunds))
+    return _verdict(inspect.check_rows(engine, group, max_refunds, member_ttl), max_age)
 
 
-def _verdict(row: Any, dead_row: Any) -> tuple[str, str]:
+def _verdict(rows: inspect.CheckRows, max_age: tuple[float, float | None]) -> tuple[str, str]:
+    row = rows.row
+    tripped = sum(1 for m in rows.live if m.local_breaker == LocalBreakerState.OPEN)
     return check_verdict(
         state=row.state,
         epoch=int(row.epoch),
         reconciling=row.reconcile_epoch is not None,
-        dead={k: int(v) for k, v in dead_row._asdict().items()},
+        dead={k: int(v) for k, v in rows.dead._asdict().items()},
         lag=int(row.ready) + int(row.leased),
         committed=row.committed_id,
+        oldest_ready_age_s=rows.oldest_ready_age_s,
+        live=len(rows.live),
+        tripped=tripped,
+        max_age=max_age,
     )
 
 

@@ -25,6 +25,7 @@ import click
 
 from pgq import monitor
 from pgq.cli.base import CheckCommand, State, emit, json_option, pass_state
+from pgq.cli.parse import parse_max_age
 from pgq.cli.render import (
     breaker_lines,
     dead_lines,
@@ -108,16 +109,31 @@ def dead(state: State, group: str, as_json: bool, limit: int) -> None:
 
 @click.command(cls=CheckCommand)
 @click.argument("group")
+@click.option(
+    "--max-age",
+    default="15m,1h",
+    show_default=True,
+    metavar="WARN[,CRIT]",
+    help="WARNING (CRITICAL) when the oldest row ready now has been claimable longer",
+)
 @pass_state
-def check(state: State, group: str) -> None:
+def check(state: State, group: str, max_age: str) -> None:
     """One line for monitoring, Nagios style: 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.
 
     While the group breaker is OPEN its dead systemic rows are pending
     reconciliation (WARNING); dead rows of other classes, and systemic rows
-    past the refund cap or owed no refund, are CRITICAL. The worst state wins.
+    past the refund cap or owed no refund, are CRITICAL. A row ready now that
+    has waited longer than --max-age WARN (CRIT) is WARNING (CRITICAL): no live
+    member, or none that claims. The worst state wins.
     """
     try:
-        word, line = monitor.check(state.engine, group, state.settings.breaker_max_refunds)
+        word, line = monitor.check(
+            state.engine,
+            group,
+            state.settings.breaker_max_refunds,
+            max_age=parse_max_age(max_age),
+            member_ttl=state.settings.breaker_member_ttl,
+        )
     except PgqError as exc:
         word, line = "UNKNOWN", f"UNKNOWN: {first_line(exc)}"
     except Exception as exc:  # a check answers UNKNOWN, never with a traceback

@@ -1,5 +1,5 @@
 """What users type besides names and JSON: message ids and ages (`pgq requeue`,
-`pgq purge`, `pgq show`, and the same fields of `pgq web`'s forms and URLs).
+`pgq purge`, `pgq show`, `pgq check`, and the same fields of `pgq web`'s forms and URLs).
 
 Each parser returns the value or raises `UsageError` with one line that says
 what was wrong and what to use instead.
@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pgq.errors import UsageError
-from pgq.settings import parse_duration
+from pgq.settings import MAX_DURATION, parse_duration
 from pgq.store.admin import MAX_MESSAGE_ID, MAX_OLDER_THAN
 
-__all__ = ["parse_age", "parse_ids", "parse_message_id"]
+__all__ = ["parse_age", "parse_ids", "parse_max_age", "parse_message_id"]
 
 
 def parse_message_id(text: str) -> int:
@@ -52,3 +52,22 @@ def parse_age(text: str) -> float:
             " such as 7d, 12h, 30m, 90s (at most 100 years)"
         )
     return seconds
+
+
+def parse_max_age(text: str) -> tuple[float, float | None]:
+    """`pgq check --max-age WARN[,CRIT]`: the seconds of each, durations as the
+    settings take them (`900`, `15m`, `1h30m`), each above 0 and CRIT not below
+    WARN; no CRIT (None) when only WARN is given. Else `UsageError`."""
+    parts = text.split(",")
+    try:
+        if len(parts) > 2:
+            raise ValueError(text)
+        limits = [parse_duration(part) for part in parts]
+    except ValueError:
+        limits = [-1.0]
+    if not all(0 < limit <= MAX_DURATION for limit in limits) or limits != sorted(limits):
+        raise UsageError(
+            f"invalid --max-age {text[:40]!r}: use WARN[,CRIT], seconds or durations"
+            " such as 15m,1h (above 0, CRIT not below WARN)"
+        )
+    return limits[0], (limits[1] if len(limits) == 2 else None)

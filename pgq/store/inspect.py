@@ -191,11 +191,24 @@ def frontier_holder(engine: Engine) -> Row[Any] | None:
         return _holder(conn)
 
 
-def check_rows(engine: Engine, group: str, max_refunds: int) -> tuple[Row[Any], Row[Any]]:
-    """The group's breaker and counts, and its dead rows split by cause (`pgq check`).
+@dataclass(frozen=True, slots=True)
+class CheckRows:
+    """One group as read for `check`: its breaker and counts, its dead rows split by
+    cause, how long its oldest row ready now has waited, and its live members."""
+
+    row: Row[Any]
+    dead: Row[Any]
+    oldest_ready_age_s: float | None
+    live: list[Row[Any]]
+
+
+def check_rows(engine: Engine, group: str, max_refunds: int, member_ttl: float) -> CheckRows:
+    """The group's breaker and counts, its dead rows split by cause, the age of its
+    oldest row ready now and its live members (`pgq check`), from one snapshot.
 
     Dead systemic rows that a coming or owed reconciliation will refund count
-    as `pending` (see `pgq.breaker.pending_scope`); both reads share one snapshot.
+    as `pending` (see `pgq.breaker.pending_scope`). Members are live as
+    `member_rows` says with `member_ttl`.
     """
     with snapshot(engine) as conn:
         gid = group_info(conn, group).id
@@ -209,4 +222,6 @@ def check_rows(engine: Engine, group: str, max_refunds: int) -> tuple[Row[Any], 
             "pending_from": scope[0] if scope else None,
             "pending_to": scope[1] if scope else None,
         }
-        return row, conn.execute(aq.check_dead(), params).one()
+        dead = conn.execute(aq.check_dead(), params).one()
+        live = [m for m in _members(conn, member_ttl, 0.0, gid) if m.live]
+        return CheckRows(row, dead, _oldest_ready(conn, gid), live)

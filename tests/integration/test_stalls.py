@@ -22,15 +22,18 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import subprocess
 from typing import Any
 
 import pytest
-from helpers import invoke
+from helpers import PGQ, invoke, kill, wait_until
 from sqlalchemy import Engine, func, insert, select, update
 
 import pgq
 from pgq import monitor
 from pgq import schema as t
+from pgq.cli.parse import parse_max_age
+from pgq.errors import UsageError
 from pgq.store.engine import schema_of
 
 GROUP = "billing"
@@ -77,6 +80,147 @@ def add_member(engine: Engine, name: str, **values: Any) -> None:
     }
     with engine.begin() as conn:
         conn.execute(insert(t.member).values(**row))
+
+
+# --- pgq check: a stall is a state --------------------------------------------------
+
+
+def test_no_consumer_running_is_a_warning_then_critical(billing, pgq_env):
+    """Before: `OK: breaker CLOSED (epoch 0), lag 1, ...` however long the row waited."""
+    ids = publish(billing, 1)
+    age(billing, ids, 20 * 60)
+    result = invoke(pgq_env, "check", GROUP)
+    assert (result.exit_code, result.stdout) == (
+        1,
+        "WARNING: oldest ready row claimable for 20 min (over 15 min), no live member\n",
+    ), result.output
+    age(billing, ids, 2 * 3600 + 5)
+    result = invoke(pgq_env, "check", GROUP)
+    assert (result.exit_code, result.stdout) == (
+        2,
+        "CRITICAL: oldest ready row claimable for 2 h (over 1 h), no live member\n",
+    ), result.output
+
+
+def test_the_limits_come_from_max_age(billing, pgq_env):
+    ids = publish(billing, 2)
+    age(billing, ids[:1], 90)
+    age(billing, ids[1:], 30)  # the oldest counts, not the newest
+    result = invoke(pgq_env, "check", GROUP, "--max-age", "1m,2m")
+    assert result.exit_code == 1 and result.stdout.startswith(
+        "WARNING: oldest ready row claimable for 1 min 30 s (over 1 min)"
+    ), result.output
+    result = invoke(pgq_env, "check", GROUP, "--max-age", "30,60")
+    assert result.exit_code == 2 and "(over 1 min)" in result.stdout, result.output
+    result = invoke(pgq_env, "check", GROUP, "--max-age", "120")
+    assert result.exit_code == 0 and result.stdout.startswith("OK: "), result.output
+    # WARN alone: never worse than WARNING, however long
+    result = invoke(pgq_env, "check", GROUP, "--max-age", "1s")
+    assert result.exit_code == 1, result.output
+    assert monitor.check(billing, GROUP, max_age=(3600.0, None))[0] == "OK"
+
+
+def test_a_short_limit_passes_with_real_time(billing, pgq_env):
+    """No clock moved: a fresh row passes `--max-age 0.3` within a bounded wait."""
+    publish(billing, 1)
+    result = wait_until(
+        lambda: (r := invoke(pgq_env, "check", GROUP, "--max-age", "0.3,60")).exit_code == 1 and r,
+        10,
+        "the fresh row to pass 0.3 s",
+    )
+    assert result.stdout.endswith("(over 0.3 s), no live member\n"), result.stdout
+
+
+def test_rows_waiting_for_a_retry_or_leased_are_not_a_stall(billing, pgq_env):
+    ids = publish(billing, 2)
+    age(billing, ids[:1], -3600)  # a retry due in an hour: not ready now
+    d = t.delivery
+    with billing.begin() as conn:  # leased long ago: the lease sweep's business
+        conn.execute(
+            update(d)
+            .where(d.c.message_id == ids[1])
+            .values(state="leased", available_at=func.now() - dt.timedelta(hours=3))
+        )
+    word, line = monitor.check(billing, GROUP)
+    assert word == "OK", line
+    assert line.endswith("lag 2, committed none, no dead rows, no live member"), line
+    assert pgq.status(billing, GROUP)["oldest_ready_age_s"] is None
+
+
+def test_the_ok_line_says_how_many_members_are_live(billing):
+    ids = publish(billing, 1)
+    age(billing, ids, 42)
+    word, line = monitor.check(billing, GROUP)
+    assert (word, line) == (
+        "OK",
+        "OK: breaker CLOSED (epoch 0), lag 1, committed none, no dead rows, no live member",
+    )
+
+
+def test_the_worst_state_wins(billing, pgq_env):
+    ids = publish(billing, 3)
+    kill(billing, ids[:1], "message")
+    age(billing, ids[1:], 20 * 60)
+    result = invoke(pgq_env, "check", GROUP)
+    assert (result.exit_code, result.stdout) == (
+        2,
+        "CRITICAL: 1 dead rows (1 message);"
+        " oldest ready row claimable for 20 min (over 15 min), no live member\n",
+    )
+    with billing.begin() as conn:
+        conn.execute(update(t.breaker).values(state="OPEN", epoch=1))
+        conn.execute(
+            update(t.delivery)
+            .where(t.delivery.c.message_id == ids[0])
+            .values(state="ready", error_class=None)
+        )
+    age(billing, ids, 2 * 3600)
+    result = invoke(pgq_env, "check", GROUP)
+    assert (result.exit_code, result.stdout) == (
+        2,
+        "CRITICAL: oldest ready row claimable for 2 h (over 1 h), no live member;"
+        " breaker open, 0 dead rows pending reconciliation\n",
+    )
+
+
+@pytest.mark.parametrize(
+    "bad", ["abc", "0", "-5", "1h,15m", "1,2,3", "", ",", "15m,", "nan", "1e400", "5y"]
+)
+def test_a_bad_max_age_is_unknown_exit_3(billing, pgq_env, bad):
+    result = invoke(pgq_env, "check", GROUP, "--max-age", bad)
+    assert result.exit_code == 3, result.output
+    assert result.stdout.startswith(f"UNKNOWN: invalid --max-age {bad!r}: use WARN[,CRIT]")
+    assert len(result.stdout.splitlines()) == 1 and not result.stderr
+    with pytest.raises(UsageError):
+        parse_max_age(bad)
+
+
+def test_max_age_takes_what_the_settings_take():
+    assert parse_max_age("15m,1h") == (900.0, 3600.0)
+    assert parse_max_age("90,1h30m") == (90.0, 5400.0)
+    assert parse_max_age("250ms") == (0.25, None)
+    assert parse_max_age("5m,5m") == (300.0, 300.0)
+
+
+def test_no_consumer_running_in_a_real_process(billing, pgq_env):
+    ids = publish(billing, 1)
+    age(billing, ids, 2 * 3600)
+    proc = subprocess.run(
+        [*PGQ, "check", GROUP], env=pgq_env, capture_output=True, text=True, timeout=60
+    )
+    assert (proc.returncode, proc.stdout) == (
+        2,
+        "CRITICAL: oldest ready row claimable for 2 h (over 1 h), no live member\n",
+    ), proc.stderr
+    proc = subprocess.run(
+        [*PGQ, "check", GROUP, "--max-age", "soon"],
+        env=pgq_env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 3 and proc.stdout.startswith("UNKNOWN: invalid --max-age")
+    assert "Traceback" not in proc.stderr
 
 
 # --- status: oldest_ready_age_s -------------------------------------------------------
