@@ -187,6 +187,26 @@ class GroupStatus:
         """How many of `members` are live."""
         return sum(1 for m in self.members if m.live)
 
+    @property
+    def left(self) -> int:
+        """How many of `members` left cleanly (`left_at` set): not counted as members."""
+        return sum(1 for m in self.members if m.left_at is not None)
+
+    @property
+    def stalled(self) -> str | None:
+        """Why nobody can make progress on the rows ready now, in words, or None: no
+        live member; the group breaker open; every live member's local breaker open."""
+        if self.oldest_ready_age_s is None:
+            return None
+        live = [m for m in self.members if m.live]
+        if not live:
+            return "no live member"
+        if self.breaker.state is BreakerState.OPEN:
+            return "the group breaker is open"
+        if all(m.local_breaker is LocalBreakerState.OPEN for m in live):
+            return "every live member's local breaker is open"
+        return None
+
     def to_json(self) -> dict[str, Any]:
         return {
             "group": self.group,

@@ -23,6 +23,7 @@ import json
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ParamSpec
 
+from pgq.monitor import span
 from pgq.read_models import FrontierHolder, GroupStatus, MemberStatus, StatusAll, iso
 from pgq.records import BreakerState
 
@@ -152,22 +153,32 @@ def _holder_line(holder: FrontierHolder | None) -> list[str]:
     ]
 
 
+def _members_count(s: GroupStatus) -> str:
+    """`1 live of 2`: members that left cleanly are not counted, but said (`, 3 left`)."""
+    text = f"{s.live} live of {len(s.members) - s.left}"
+    return text + (f", {s.left} left" if s.left else "")
+
+
 @_visible_lines
 def status_lines(s: GroupStatus, *, now: dt.datetime) -> list[str]:
-    """`pgq status GROUP`: frontier, lag, counts, totals, breaker and members."""
+    """`pgq status GROUP`: frontier, lag, counts, totals, breaker and members; first,
+    when nobody can make progress on the rows ready now, `stalled:` and why."""
     c, tot, b = s.counts, s.totals, s.breaker
     breaker = f"{breaker_word(b.state)} since {_at(b.since, now)}, epoch {b.epoch}"
     if b.prober:
         breaker += f", prober {b.prober}"
+    oldest = s.oldest_ready_age_s
     lines = [
         f"group {s.group} on topic {s.topic}",
+        *([f"  stalled: {s.stalled}"] if s.stalled else []),
         f"  committed  {_cell(s.committed)}",
         f"  lag        {s.lag}",
+        *([f"  oldest     ready row claimable for {span(oldest)}"] if oldest is not None else []),
         f"  counts     ready {c.ready}  leased {c.leased}  done {c.done}"
         f"  dead {c.dead} (systemic {c.dead_systemic})",
         f"  totals     reclaimed {tot.reclaimed}  released {tot.released}  refunded {tot.refunded}",
         f"  breaker    {breaker}",
-        f"  members    {s.live} live of {len(s.members)}",
+        f"  members    {_members_count(s)}",
     ]
     if s.members:
         lines += ["    " + line for line in members_lines(s.members, now=now)]
@@ -176,7 +187,7 @@ def status_lines(s: GroupStatus, *, now: dt.datetime) -> list[str]:
 
 @_visible_lines
 def status_all_lines(data: StatusAll) -> list[str]:
-    """`pgq status`: one row per group."""
+    """`pgq status`: one row per group, then a line for each stalled group."""
     groups = data.groups
     if not groups:
         return ["no groups"]
@@ -209,7 +220,8 @@ def status_all_lines(data: StatusAll) -> list[str]:
             for g in groups
         ),
     )
-    return lines + _holder_line(groups[0].frontier_held_by)
+    stalled = [f"{g.group} stalled: {g.stalled}" for g in groups if g.stalled]
+    return lines + stalled + _holder_line(groups[0].frontier_held_by)
 
 
 BREAKER_PROBES_SHOWN = 5

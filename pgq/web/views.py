@@ -49,6 +49,10 @@ READERS = 4
 T = TypeVar("T")
 
 
+def _span(seconds: float | None) -> str | None:
+    return None if seconds is None else monitor.span(seconds)
+
+
 @dataclass(frozen=True, slots=True)
 class WebOptions:
     """How the dashboard reads: member liveness and refund cap as the CLI's settings
@@ -140,6 +144,7 @@ class Dashboard:
                 {
                     "status": g,
                     "live": g.live,
+                    "oldest_ready": _span(g.oldest_ready_age_s),
                     "dead": self._dead_split(engine, g),
                     "throughput": throughput(samples),
                     "lag_points": lag(samples),
@@ -199,7 +204,9 @@ class Dashboard:
             engine, name, history_limit=HISTORY_LIMIT, probe_limit=PROBE_LIMIT
         )
         dead = monitor.dead(engine, name, limit=DEAD_LIMIT, error_class=error_class)
-        word, line, split = monitor.check_and_split(engine, name, self.options.max_refunds)
+        word, line, split = monitor.check_and_split(
+            engine, name, self.options.max_refunds, member_ttl=self.options.member_ttl
+        )
         now = self._now(engine)
         return {
             "status": status,
@@ -213,6 +220,7 @@ class Dashboard:
             "dead_split": split,
             "error_class": error_class,
             "check": {"state": word, "line": line},
+            "oldest_ready": _span(status.oldest_ready_age_s),
             "audit": monitor.audit(engine, name, limit=AUDIT_LIMIT),
             "now": now,
         }

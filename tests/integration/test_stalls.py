@@ -23,10 +23,11 @@ import datetime as dt
 import json
 import re
 import subprocess
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from helpers import PGQ, invoke, kill, wait_until
+from helpers import FAST, PGQ, invoke, kill, wait_until
 from sqlalchemy import Engine, func, insert, select, update
 
 import pgq
@@ -35,6 +36,9 @@ from pgq import schema as t
 from pgq.cli.parse import parse_max_age
 from pgq.errors import UsageError
 from pgq.store.engine import schema_of
+from pgq.web.app import create_app
+from pgq.web.guard import Guard
+from pgq.web.views import Dashboard
 
 GROUP = "billing"
 
@@ -284,3 +288,134 @@ def test_the_oldest_ready_age_is_one_probe_of_the_ready_index(billing):
     assert "Seq Scan" not in text and "Sort" not in text, text
     scan = next(line for line in plan if "delivery_ready_idx" in line)
     assert re.search(r"actual time=\S+ rows=1(\.00)? loops=1", scan), text
+
+
+# --- the views say it in words --------------------------------------------------------
+
+
+def test_status_says_stalled_with_no_live_member(billing, pgq_env):
+    """Before: nothing said that no one could make progress."""
+    publish(billing, 2)
+    add_member(billing, "crashed")  # last heard from a minute ago: not live
+    add_member(billing, "left-1", left_at=func.now() - dt.timedelta(seconds=30))
+    add_member(billing, "left-2", left_at=func.now() - dt.timedelta(seconds=30))
+    s = monitor.read_status(billing, GROUP)
+    assert s.stalled == "no live member" and (s.live, s.left) == (0, 2)
+    result = invoke(pgq_env, "status", GROUP)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[1] == "  stalled: no live member"
+    assert "  members    0 live of 1, 2 left" in lines
+    assert any(line.startswith("  oldest     ready row claimable for ") for line in lines)
+    result = invoke(pgq_env, "status")
+    assert "billing stalled: no live member" in result.stdout.splitlines()
+
+
+def test_no_stall_without_rows_ready_now(billing, pgq_env):
+    ids = publish(billing, 1)
+    age(billing, ids, -3600)
+    assert monitor.read_status(billing, GROUP).stalled is None
+    result = invoke(pgq_env, "status", GROUP)
+    assert "stalled" not in result.stdout
+
+
+def dashboard_pages(engine: Engine) -> tuple[str, str]:
+    """The overview and the group page of a real dashboard app on `engine`."""
+    dashboard = Dashboard(engine)
+    try:
+        app = create_app(dashboard, Guard(None), host="127.0.0.1", port=8080)
+        client = app.test_client()
+        pages = []
+        for path in ("/", f"/groups/{GROUP}"):
+            got = client.get(path, headers={"Host": "127.0.0.1:8080"})
+            assert got.status_code == 200, got.data
+            pages.append(got.get_data(as_text=True))
+        return pages[0], pages[1]
+    finally:
+        dashboard.close()
+
+
+def test_the_overview_counts_no_departed_member_and_highlights_a_stall(billing):
+    """Before: `0/3 live`, plain, counting the two that left cleanly."""
+    publish(billing, 1)
+    add_member(billing, "crashed")
+    add_member(billing, "left-1", left_at=func.now() - dt.timedelta(seconds=30))
+    add_member(billing, "left-2", left_at=func.now() - dt.timedelta(seconds=30))
+    overview, group = dashboard_pages(billing)
+    assert "0/1 live" in overview and "0/3 live" not in overview
+    assert '<div class="sub">2 left</div>' in overview
+    assert f'<tr data-group="{GROUP}" class=" stalled">' in overview
+    assert '<td class="members bad">' in overview
+    assert f'<p class="check check-warning stalled" data-group="{GROUP}">' in overview
+    assert "stalled: no live member (oldest ready row claimable for" in overview
+    assert '<p id="stalled" class="check check-warning">stalled: no live member' in group
+
+
+def test_the_overview_of_a_group_at_work_shows_no_stall(billing):
+    add_member(billing, "left-1", left_at=func.now() - dt.timedelta(seconds=30))
+    overview, group = dashboard_pages(billing)
+    assert "0/0 live" in overview and "stalled" not in overview
+    assert 'id="stalled"' not in group
+
+
+# --- a lone member whose local breaker is open ------------------------------------------
+
+
+@pytest.fixture
+def lone_tripped(billing: Engine) -> Iterator[pgq.Consumer]:
+    """One real member (default `breaker.min_members = 2`) whose every handler call
+    fails as systemic: its local breaker opens after four calls and stays open for a
+    minute; the group breaker stays CLOSED; most rows were never tried."""
+    publish(billing, 40)
+
+    def down(msg: pgq.Message) -> None:
+        raise ConnectionError("dependency down")
+
+    settings = {
+        **FAST,
+        "workers": 1,
+        "batch_size": 1,
+        "prefetch": 1,
+        "max_attempts": 50,
+        "breaker_window": 4,
+        "breaker_min_calls": 4,
+        "breaker_open_for": 60,
+        "breaker_open_for_max": 60,
+    }
+    consumer = pgq.Consumer(billing, GROUP, down, name="lone", **settings)
+    consumer.start()
+    try:
+        wait_until(
+            lambda: [m["local_breaker"] for m in monitor.members(billing, GROUP)] == ["open"],
+            30,
+            "the lone member's local breaker to open",
+            describe=lambda: monitor.members(billing, GROUP),
+        )
+        yield consumer
+    finally:
+        consumer.stop(timeout=10)
+
+
+def test_a_lone_member_with_its_local_breaker_open_is_a_stall(billing, pgq_env, lone_tripped):
+    """Before: CLOSED, `OK`, and no word of it while nothing moved."""
+    result = invoke(pgq_env, "status", GROUP)
+    assert result.stdout.splitlines()[1] == "  stalled: every live member's local breaker is open"
+    s = pgq.status(billing, GROUP)
+    assert s["breaker"]["state"] == "CLOSED" and [m["live"] for m in s["members"]] == [True]
+    assert s["oldest_ready_age_s"] is not None
+    # the oldest row ready now passes a short limit within a bounded wait
+    result = wait_until(
+        lambda: (r := invoke(pgq_env, "check", GROUP, "--max-age", "0.5,600")).exit_code == 1 and r,
+        10,
+        "the check to warn",
+    )
+    assert result.stdout.startswith("WARNING: oldest ready row claimable for "), result.stdout
+    assert result.stdout.endswith("(over 0.5 s), 1 live member, its local breaker open\n"), (
+        result.stdout
+    )
+    overview, group = dashboard_pages(billing)
+    assert "stalled: every live member&#39;s local breaker is open" in overview
+    assert '<p id="stalled" class="check check-warning">' in group
+    assert (
+        monitor.read_status(billing, GROUP).stalled == "every live member's local breaker is open"
+    )
