@@ -27,7 +27,7 @@ from sqlalchemy.sql import Executable
 
 import pgq
 from pgq.schema import SCHEMA_PLACEHOLDER
-from pgq.sql import admin, breaker, claim, frontier, members, outcomes
+from pgq.sql import admin, breaker, claim, frontier, members, outcomes, status
 from pgq.store import GroupStore, run_once
 from pgq.store.admin import purge
 
@@ -203,6 +203,13 @@ def test_hot_statement_is_a_router_plan(
     engine, gid = cluster
     topic = {"topic_id": topic_of(engine)} if name == "message_bodies" else {}
     lines = plan(engine, statement(), {"gid": gid, **topic, **params})
+    assert is_router(lines), "\n".join(lines)
+
+
+def test_the_oldest_ready_row_is_read_on_the_groups_shard(cluster: tuple[Engine, int]):
+    """`status` reads it once per group (decision 0030): one task on the group's node."""
+    engine, gid = cluster
+    lines = plan(engine, status.oldest_ready(), {"group_id": gid})
     assert is_router(lines), "\n".join(lines)
 
 
