@@ -206,6 +206,28 @@ def test_max_age_takes_what_the_settings_take():
     assert parse_max_age("5m,5m") == (300.0, 300.0)
 
 
+def test_the_line_words_the_live_members_and_the_wait():
+    assert [monitor.live_members(*n) for n in [(0, 0), (1, 0), (2, 0), (1, 1), (3, 3), (3, 1)]] == [
+        "no live member",
+        "1 live member",
+        "2 live members",
+        "1 live member, its local breaker open",
+        "3 live members, every local breaker open",
+        "3 live members, 1 with its local breaker open",
+    ]
+    assert [monitor.span(s) for s in (0.04, 3.25, 59.9, 60, 95, 900, 3600, 7260, 90000)] == [
+        "0 s",
+        "3.2 s",
+        "59.9 s",
+        "1 min",
+        "1 min 35 s",
+        "15 min",
+        "1 h",
+        "2 h 1 min",
+        "1 d 1 h",
+    ]
+
+
 def test_no_consumer_running_in_a_real_process(billing, pgq_env):
     ids = publish(billing, 1)
     age(billing, ids, 2 * 3600)
