@@ -1,16 +1,19 @@
 """How the `pgq` command writes its log: one event per line, as text or JSON.
 
 pgq's log calls name their fields in the message template (`"member joined
-group=%s member=%s"`); the formatters here keep that one line per event:
+group=%s member=%s"`); the fields bound where the event happened (the group
+and the member, `pgq.logcontext`) come as the record's `extra`. The formatters
+here keep that one line per event, and no value can forge a field:
 
-- `text` (the default): `time LEVEL logger: message key=value ...`, with control
-  characters of the message escaped (a newline in a member name or in a
-  handler's error text cannot forge a line; a traceback that follows keeps its
-  lines);
+- `text` (the default): `time LEVEL logger: message key=value ...`: each
+  field's value quoted when it holds a space, `=`, a quote, a backslash or a
+  control character (`quote`: `member="m1 group=payments"`), the bound fields
+  the template does not name appended, and the control characters of the rest
+  escaped (a traceback that follows keeps its lines);
 - `json` (`--log-format json`): one JSON object a line with `time`, `level`,
   `logger`, `message` and the event's fields, each `key=%x` of the template
-  paired with its argument (numbers stay numbers), plus `exception` when a
-  traceback is attached.
+  paired with its argument (numbers stay numbers) and the bound ones, plus
+  `exception` when a traceback is attached.
 
 Neither ever prints a secret: a `password=...` or the password of a URL in a
 message (a DSN quoted in an error) is replaced by `***`.
@@ -48,8 +51,81 @@ def scrub(text: str) -> str:
     return text
 
 
+def quote(text: str) -> str:
+    """`text` as the value of a `key=value` field: as is when it is one plain word;
+    else in double quotes with `\\`, `"` and every non-printable character escaped
+    (`\\n`, `\\x1b`, `\\u202e`), so that no value can end its field early, start
+    another or break the line."""
+    if text and text.isprintable() and not any(ch in _QUOTED for ch in text):
+        return text
+    return '"' + "".join(_ESCAPES.get(ch) or _escaped(ch) for ch in text) + '"'
+
+
+_QUOTED = frozenset(' ="\\')
+_ESCAPES = {"\\": "\\\\", '"': '\\"'}
+
+
+def _escaped(ch: str) -> str:
+    return ch if ch.isprintable() else repr(ch)[1:-1]
+
+
+def message(record: logging.LogRecord) -> str:
+    """The record's message without secrets (`scrub`), each field's value quoted as
+    needed (`quote`); a value that is not a field is quoted too when it holds `=`
+    or `"` (it could pass for one). Each value is scrubbed before it is quoted: a
+    scrub of the quoted whole could take a closing quote with a password."""
+    template, args = record.msg, record.args
+    if not isinstance(template, str) or not isinstance(args, tuple) or not args:
+        return scrub(record.getMessage())
+    parts: list[str] = []
+    values = iter(args)
+    end = 0
+    for match in _CONVERSION.finditer(template):
+        parts.append(template[end : match.start()])
+        end = match.end()
+        if match.group() == "%%":
+            parts.append("%")
+            continue
+        value = next(values, _MISSING)
+        if value is _MISSING or "*" in match.group():
+            return scrub(record.getMessage())  # as logging itself would (or fail to)
+        text = scrub(match.group() % (value,))
+        if _FIELD.search(template, 0, match.start()) is not None:
+            parts.append(quote(text))
+        else:
+            parts.append(quote(text) if "=" in text or '"' in text else text)
+    if next(values, _MISSING) is not _MISSING:
+        return scrub(record.getMessage())
+    parts.append(template[end:])
+    return "".join(parts)
+
+
+_MISSING = object()
+
+
 def fields(record: logging.LogRecord) -> dict[str, Any]:
-    """The event's fields: each `key=%x` of the message template with its argument."""
+    """The event's fields: each `key=%x` of the message template with its argument,
+    then the record's `extra` (the bound group and member, `pgq.logcontext`) that
+    the template does not name."""
+    found = _template_fields(record)
+    for key, value in vars(record).items():
+        if key not in _RECORD_ATTRIBUTES and key not in _RESERVED and not key.startswith("_"):
+            found.setdefault(key, _plain(value))
+    return found
+
+
+def extra_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The record's `extra` fields that its message template does not name."""
+    named = _template_fields(record)
+    return {k: v for k, v in fields(record).items() if k not in named}
+
+
+_RECORD_ATTRIBUTES = frozenset(
+    vars(logging.LogRecord("", 0, "", 0, "", (), None)).keys() | {"message", "asctime", "taskName"}
+)
+
+
+def _template_fields(record: logging.LogRecord) -> dict[str, Any]:
     if not isinstance(record.msg, str) or not isinstance(record.args, tuple):
         return {}
     found: dict[str, Any] = {}
@@ -74,13 +150,30 @@ def _plain(value: Any) -> Any:
 
 
 class TextFormatter(logging.Formatter):
-    """`time LEVEL logger: message`, the message on one line and without secrets."""
+    """`time LEVEL logger: message key=value...`, on one line, values quoted as
+    needed (`quote`), without secrets."""
 
     def __init__(self) -> None:
         super().__init__(_TEXT_FORMAT, _TEXT_DATEFMT)
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        return visible(scrub(super().formatMessage(record)))
+        return visible(super().formatMessage(record))
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = message(record)
+        bound = extra_fields(record)
+        if bound:
+            line += "".join(f" {key}={quote(str(value))}" for key, value in bound.items())
+        record.message = line
+        record.asctime = self.formatTime(record, self.datefmt)
+        text = self.formatMessage(record)
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            text = f"{text}\n{record.exc_text}"
+        if record.stack_info:
+            text = f"{text}\n{self.formatStack(record.stack_info)}"
+        return text
 
     def formatException(self, ei: Any) -> str:
         """The traceback, its lines kept, without secrets or other control characters."""
@@ -96,7 +189,7 @@ class JsonFormatter(logging.Formatter):
             "time": dt.datetime.fromtimestamp(record.created, dt.timezone.utc).isoformat(),
             "level": record.levelname,
             "logger": record.name,
-            "message": scrub(record.getMessage()),
+            "message": message(record),
             **fields(record),
         }
         if record.exc_info:

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
+import re
 import sys
 
 import pytest
 from helpers import invoke
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
-from pgq.cli.logs import JsonFormatter, TextFormatter, configure_logging, fields, scrub
+from pgq.cli.logs import (
+    JsonFormatter,
+    TextFormatter,
+    configure_logging,
+    fields,
+    quote,
+    scrub,
+)
 
 
 def record(msg: str, *args: object, exc: bool = False) -> logging.LogRecord:
@@ -34,7 +45,7 @@ def test_json_lines_carry_time_level_logger_message_and_fields():
     assert "\n" not in line
     event = json.loads(line)
     assert event["level"] == "WARNING" and event["logger"] == "pgq.consumer"
-    assert event["message"] == "member joined group=g member=m\nx"
+    assert event["message"] == 'member joined group=g member="m\\nx"'
     assert (event["group"], event["member"]) == ("g", "m\nx")
     assert event["time"].endswith("+00:00")
     failed = json.loads(JsonFormatter().format(record("task failed task=%s", "t", exc=True)))
@@ -45,7 +56,7 @@ def test_a_text_line_cannot_be_forged():
     forged = "m\n2026-12-01T00:00:00 ERROR pgq: FORGED\x1b]0;x\x07"
     line = TextFormatter().format(record("thread crashed member=%s", forged))
     assert "\n" not in line and line.isprintable()
-    assert line.endswith("member=m\\n2026-12-01T00:00:00 ERROR pgq: FORGED\\x1b]0;x\\x07")
+    assert line.endswith('member="m\\n2026-12-01T00:00:00 ERROR pgq: FORGED\\x1b]0;x\\x07"')
 
 
 @pytest.mark.parametrize(
@@ -82,3 +93,86 @@ def test_a_traceback_in_a_text_line_keeps_its_lines_but_no_secret_nor_escape():
     assert "hunter2" not in text and "\x1b" not in text
     assert all(line.isprintable() for line in text.splitlines())
     assert text.splitlines()[-1].startswith("ValueError: cannot reach postgresql://app:***@db/x")
+
+
+# -- key=value text that no value can forge (issue 21) -------------------------------
+
+_TOKEN = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|[^\s"]*)(?=\s|$)|\S+')
+
+
+def logfmt(line: str) -> list[tuple[str, str]]:
+    """The `key=value` fields of a text line after `logger: `, quoted values decoded
+    (they are written as Python writes a string's escapes)."""
+    body = line.split(": ", 1)[1]
+    found = []
+    for match in _TOKEN.finditer(body):
+        if match.group(1):
+            value = match.group(2)
+            found.append((match.group(1), ast.literal_eval(value) if value[:1] == '"' else value))
+    return found
+
+
+HOSTILE = [
+    "m1 group=payments level=ERROR",
+    'm1" level=ERROR x="',
+    "m1\\",
+    'a\\" level=ERROR',
+    "tab\there",
+    "new\nline level=ERROR",
+    "\x1b[31mred\x1b[0m",
+    "bidi\u202eRORRE=level",
+    "",
+    "=",
+    "no-break\xa0space=1",
+]
+
+
+@pytest.mark.parametrize("value", HOSTILE)
+def test_a_hostile_value_stays_one_field_in_a_text_line(value):
+    line = TextFormatter().format(record("member joined group=%s member=%s n=%d", "g", value, 3))
+    assert "\n" not in line and line.isprintable()
+    assert logfmt(line) == [("group", "g"), ("member", value), ("n", "3")]
+    event = json.loads(JsonFormatter().format(record("joined member=%s", value)))
+    assert event["member"] == value and set(event) == {
+        "time",
+        "level",
+        "logger",
+        "message",
+        "member",
+    }
+
+
+@given(st.text())
+def test_no_text_value_can_forge_a_field(value):
+    assume(scrub(value) == value)  # a password-like value is replaced, by design
+    line = TextFormatter().format(record("member joined group=%s member=%s", "g", value))
+    assert logfmt(line) == [("group", "g"), ("member", value)]
+
+
+@pytest.mark.parametrize(
+    ("value", "written"),
+    [
+        ("plain", "plain"),
+        ("host:12:ab", "host:12:ab"),
+        ("a b", '"a b"'),
+        ("a=b", '"a=b"'),
+        ('say "hi"', '"say \\"hi\\""'),
+        ("back\\slash", '"back\\\\slash"'),
+        ("line\nbreak", '"line\\nbreak"'),
+        ("", '""'),
+    ],
+)
+def test_quote_leaves_a_plain_word_and_quotes_the_rest(value, written):
+    assert quote(value) == written
+
+
+def test_a_value_that_is_not_a_field_is_quoted_when_it_could_pass_for_one():
+    text = TextFormatter().format(record("stopping on %s now, after %d tries", "x level=ERROR", 3))
+    assert text.endswith('stopping on "x level=ERROR" now, after 3 tries')
+    assert TextFormatter().format(record("took %s", "a while")).endswith("took a while")
+
+
+def test_a_quoted_value_keeps_its_closing_quote_when_a_password_is_scrubbed():
+    line = TextFormatter().format(record("connect failed dsn=%s n=%d", "host=db password=pw", 1))
+    assert line.endswith('dsn="host=db password=***" n=1'), line
+    assert logfmt(line) == [("dsn", "host=db password=***"), ("n", "1")]
