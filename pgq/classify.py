@@ -13,13 +13,13 @@ httpx, urllib3, psycopg, psycopg2 and SQLAlchemy are never imported here.
 
 from __future__ import annotations
 
-import logging
 import socket
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Literal
 
 from pgq.errors import PermanentError, SystemicError
+from pgq.logcontext import get_logger
 
 __all__ = [
     "CLASSIFICATIONS",
@@ -29,7 +29,7 @@ __all__ = [
     "make_classifier",
 ]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 Classification = Literal["systemic", "message", "permanent"]
 _BY_NAME: dict[str, Classification] = {

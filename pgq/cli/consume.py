@@ -16,7 +16,6 @@ This is the only place that installs signal handlers for a member (`pgq web` and
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import sys
@@ -28,11 +27,12 @@ from pgq.cli.base import State, pass_state
 from pgq.consumer import Consumer
 from pgq.consumer.handling import load_handler
 from pgq.errors import DatabaseUnavailable
+from pgq.logcontext import get_logger
 from pgq.settings import load_settings, parse_duration
 
 __all__ = ["EX_TEMPFAIL", "consume", "install_signal_handlers", "load_handler"]
 
-logger = logging.getLogger("pgq.cli")
+logger = get_logger("pgq.cli")
 
 EX_TEMPFAIL = 75
 """Exit code when `--until-empty` stopped because a breaker is open (sysexits EX_TEMPFAIL)."""

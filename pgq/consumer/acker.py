@@ -9,7 +9,6 @@ reclaimer's outcome stands.
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -17,10 +16,11 @@ import time
 from pgq.consumer.member import Member, Role
 from pgq.consumer.timing import ACK
 from pgq.errors import DatabaseUnavailable, PgqError
+from pgq.logcontext import get_logger
 from pgq.records import Lease, Outcome, OutcomeKind
 from pgq.store import RoleConnection
 
-logger = logging.getLogger("pgq.consumer")
+logger = get_logger("pgq.consumer")
 
 LINGER = 0.002
 """Seconds the acker waits for more outcomes after the first of a batch: one write

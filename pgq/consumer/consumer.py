@@ -6,7 +6,8 @@ the group, starts a `Runtime`, waits, and stops it.
 
 from __future__ import annotations
 
-import logging
+import dataclasses
+import functools
 import os
 import secrets
 import socket
@@ -25,6 +26,7 @@ from pgq.consumer.pool import ClaimPool
 from pgq.consumer.runtime import Runtime
 from pgq.consumer.timing import Timings
 from pgq.errors import DatabaseUnavailable, DuplicateMember, UsageError
+from pgq.logcontext import get_logger, log_fields
 from pgq.names import check_member_name, check_name
 from pgq.records import BreakerView, GroupInfo, Message, RunSummary, StopReason
 from pgq.settings import ADAPTIVE, Settings, load_settings
@@ -39,9 +41,10 @@ from pgq.store import (
 )
 from pgq.store.privileges import require_consumer_privileges
 
-logger = logging.getLogger("pgq.consumer")
+logger = get_logger("pgq.consumer")
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 MAX_WAIT_RETRIES = 30 * 86400.0
 """The longest `wait_retries`: 30 days, like the longest snooze."""
@@ -54,6 +57,17 @@ timeout is `lease`, but no less): long enough for a process that is merely slow.
 def default_member_name() -> str:
     """`host:pid:xxxx`, unique enough to tell members apart in `pgq members`."""
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(2)}"
+
+
+def _member_fields(method: F) -> F:
+    """`method` of `Consumer`, its log events bound to the group and the member."""
+
+    @functools.wraps(method)
+    def bound(self: Consumer, *args: Any, **kwargs: Any) -> Any:
+        with log_fields(group=self.group, member=self.name):
+            return method(self, *args, **kwargs)
+
+    return bound  # type: ignore[return-value]
 
 
 def build_settings(
@@ -122,6 +136,7 @@ class Consumer:
 
     # -- public API -----------------------------------------------------------
 
+    @_member_fields
     def run(
         self,
         until_empty: bool = False,
@@ -162,6 +177,7 @@ class Consumer:
         self._raise_refusal()
         return summary
 
+    @_member_fields
     def start(
         self,
         *,
@@ -238,6 +254,7 @@ class Consumer:
         if self._early_stop is not None:
             member.request_stop(self._early_stop)
 
+    @_member_fields
     def stop(self, timeout: float | None = None, reason: StopReason = "signal") -> RunSummary:
         """Stop gracefully; `timeout` overrides `shutdown_grace`.
 
@@ -264,6 +281,7 @@ class Consumer:
         if self._runtime is not None:
             self._runtime.member.request_stop(reason)
 
+    @_member_fields
     def abort(self) -> None:
         """Second signal: release what no worker started and write the outcomes
         already finished, without waiting for anything else."""
@@ -328,7 +346,10 @@ class Consumer:
             waiting = runtime.shutdown(self._grace)
             self._summary = runtime.summary(waiting)
             logger.info(
-                "member left group=%s member=%s summary=%s", self.group, self.name, self._summary
+                "member left group=%s member=%s",
+                self.group,
+                self.name,
+                extra=dataclasses.asdict(self._summary),
             )
         return self._summary
 

@@ -9,7 +9,6 @@ a gate closes, and when the member stops.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 
@@ -18,11 +17,12 @@ from pgq.consumer.member import Member, Role
 from pgq.consumer.prefetch import AdaptivePrefetch, claim_limit, claim_want
 from pgq.consumer.timing import CLAIM
 from pgq.errors import DatabaseUnavailable, PgqError
+from pgq.logcontext import get_logger
 from pgq.records import Claimed, DrainState
 from pgq.settings import ADAPTIVE
 from pgq.store import Listener, RoleConnection
 
-logger = logging.getLogger("pgq.consumer")
+logger = get_logger("pgq.consumer")
 
 DRAIN_RECHECK = 0.2
 """Seconds between checks while `until_empty` waits for other leases to expire."""

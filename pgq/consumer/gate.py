@@ -9,7 +9,6 @@ prober is then the only traffic).
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -17,10 +16,11 @@ from collections.abc import Callable
 from typing import Literal
 
 from pgq.breaker import LocalBreaker
+from pgq.logcontext import get_logger
 from pgq.records import BreakerState, Claimed, ErrorClass, Outcome, OutcomeKind
 from pgq.settings import Settings
 
-logger = logging.getLogger("pgq.breaker")
+logger = get_logger("pgq.breaker")
 
 RAMP_SECONDS = 5.0
 """After a group close, claims grow from one row to the full pool over this long."""

@@ -9,7 +9,6 @@ database or the breaker. `load_handler` imports a handler named
 from __future__ import annotations
 
 import importlib
-import logging
 import math
 import os
 import sys
@@ -19,10 +18,11 @@ from typing import Any
 from pgq.backoff import retry_delay
 from pgq.classify import Classification
 from pgq.errors import HandlerImportError, RetryLater
+from pgq.logcontext import get_logger
 from pgq.records import Claimed, ErrorClass, Message, Outcome, OutcomeKind
 from pgq.settings import Settings
 
-logger = logging.getLogger("pgq.consumer")
+logger = get_logger("pgq.consumer")
 
 MAX_SNOOZE = 30 * 86400.0
 """The longest `RetryLater` delay: 30 days."""

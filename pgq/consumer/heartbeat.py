@@ -29,10 +29,11 @@ from pgq.consumer.maintenance import Task, run_task
 from pgq.consumer.member import Member, Role
 from pgq.consumer.prober import Prober
 from pgq.errors import DatabaseUnavailable, LockNotAvailable, TransactionConflict
+from pgq.logcontext import get_logger
 from pgq.records import BreakerState, BreakerView
 from pgq.store import LostLock, RoleConnection, SessionLock
 
-logger = logging.getLogger("pgq.breaker")
+logger = get_logger("pgq.breaker")
 
 HEARTBEAT_LOCK_TIMEOUT_MAX = 1.0
 """Longest a heartbeat statement waits for a lock (`lock_timeout`), and at most a

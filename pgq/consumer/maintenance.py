@@ -24,11 +24,12 @@ from dataclasses import dataclass
 
 from pgq.consumer.member import REFUSALS, Member, Role
 from pgq.errors import DatabaseUnavailable, LockNotAvailable, PgqError, TransactionConflict
+from pgq.logcontext import carrying, get_logger
 from pgq.store import RoleConnection
 from pgq.store.group import EXPIRE_BATCH
 from pgq.store.members import forget_departed
 
-logger = logging.getLogger("pgq.consumer")
+logger = get_logger("pgq.consumer")
 
 EXPIRE_BUDGET = 2.0
 """Seconds one retention pass may spend deleting (it runs every minute)."""
@@ -138,7 +139,7 @@ class Maintenance(Role):
         self.finish.set()
         if self._vacuuming is not None and self._vacuuming.is_alive():
             cancel = threading.Thread(
-                target=self.vacuum_conn.cancel, name="pgq-vacuum-cancel", daemon=True
+                target=carrying(self.vacuum_conn.cancel), name="pgq-vacuum-cancel", daemon=True
             )
             cancel.start()
         self._wake.set()
@@ -170,7 +171,9 @@ class Maintenance(Role):
         ends (decision 0027)."""
         if self._vacuuming is not None and self._vacuuming.is_alive():
             return
-        self._vacuuming = threading.Thread(target=self._vacuum, name="pgq-vacuum", daemon=True)
+        self._vacuuming = threading.Thread(
+            target=carrying(self._vacuum), name="pgq-vacuum", daemon=True
+        )
         self._vacuuming.start()
 
     def _vacuum(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import logging
 import threading
 from dataclasses import dataclass, field
 
@@ -11,12 +10,13 @@ from pgq.consumer.handling import Handling
 from pgq.consumer.pool import ClaimPool
 from pgq.consumer.timing import Histogram, Timings
 from pgq.errors import BadDsn, PermissionDenied, PgqError, SchemaMissing
+from pgq.logcontext import get_logger, log_fields
 from pgq.records import Claimed, Lease, Outcome, OutcomeKind, StopReason
 from pgq.settings import Settings
 from pgq.store import GroupStore, MemberLinks, RoleConnection
 from pgq.store.privileges import require_consumer_privileges
 
-logger = logging.getLogger("pgq.consumer")
+logger = get_logger("pgq.consumer")
 
 REFUSALS = (PermissionDenied, SchemaMissing, BadDsn)
 """Errors no retry fixes: a missing privilege, the schema gone, the login refused.
@@ -241,19 +241,22 @@ class Member:
 
 class Role(threading.Thread, abc.ABC):
     """A member's thread: `work()` runs guarded, so an unexpected error stops the
-    whole member (logged, shutdown unclean) instead of leaving it half alive."""
+    whole member (logged, shutdown unclean) instead of leaving it half alive, and
+    with its log events bound to the member's group and name (`pgq.logcontext`)."""
 
     def __init__(self, member: Member, name: str) -> None:
         super().__init__(name=name, daemon=True)
         self.member = member
 
     def run(self) -> None:
-        try:
-            self.work()
-        except REFUSALS as exc:
-            self.member.refuse(self.name, exc)
-        except Exception:
-            self.member.crash(self.name)
+        m = self.member
+        with log_fields(group=m.store.group, member=m.name):
+            try:
+                self.work()
+            except REFUSALS as exc:
+                m.refuse(self.name, exc)
+            except Exception:
+                m.crash(self.name)
 
     @abc.abstractmethod
     def work(self) -> None:

@@ -21,7 +21,6 @@ the epoch it saw, can no longer close a newer outage.
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -30,10 +29,11 @@ from pgq.breaker import LeadMove, ProbeVerdict, judge_probe, lead_move
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
 from pgq.errors import DatabaseUnavailable, PgqError
+from pgq.logcontext import carrying, get_logger
 from pgq.records import BreakerState, BreakerView, Claimed, ErrorClass, Outcome, OutcomeKind
 from pgq.store import LostLock, RoleConnection, probe_lock
 
-logger = logging.getLogger("pgq.breaker")
+logger = get_logger("pgq.breaker")
 
 RECONCILE_BATCH = 5000
 
@@ -290,7 +290,9 @@ class Prober(Role):
         ttl = m.settings.breaker_member_ttl
         result: list[Outcome] = []
         runner = threading.Thread(
-            target=lambda: result.append(handling.run(row)), name=PROBE_THREAD, daemon=True
+            target=carrying(lambda: result.append(handling.run(row))),
+            name=PROBE_THREAD,
+            daemon=True,
         )
         runner.start()
         deadline, holding, renewing = self.clock() + timeout, True, True

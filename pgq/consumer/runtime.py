@@ -16,7 +16,6 @@ the member leaves the group.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from pgq.consumer.maintenance import Maintenance
 from pgq.consumer.member import REFUSALS, Member
 from pgq.consumer.workers import Workers
 from pgq.errors import DatabaseUnavailable, PgqError
+from pgq.logcontext import get_logger
 from pgq.records import RunSummary
 from pgq.store import RoleConnection, SessionLock
 
@@ -38,7 +38,7 @@ VACUUM_EVERY = 5.0
 RETENTION_EVERY = 60.0
 """Seconds between a member's retention passes (the first runs at start)."""
 
-logger = logging.getLogger("pgq.consumer")
+logger = get_logger("pgq.consumer")
 
 
 class Runtime:

@@ -10,7 +10,6 @@ place, and whatever the old thread returns later is discarded.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -20,9 +19,10 @@ from pgq.consumer.acker import Acker
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
 from pgq.consumer.timing import HANDLER
+from pgq.logcontext import get_logger
 from pgq.records import Claimed, Outcome
 
-logger = logging.getLogger("pgq.consumer")
+logger = get_logger("pgq.consumer")
 
 Clock = Callable[[], float]
 

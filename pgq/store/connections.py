@@ -31,7 +31,6 @@ runs on a link of its own.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import select
 import threading
@@ -48,6 +47,7 @@ from sqlalchemy.sql import ClauseElement, Executable
 from tenacity import Retrying, retry_if_exception, wait_exponential
 
 from pgq.errors import DatabaseUnavailable
+from pgq.logcontext import get_logger
 from pgq.schema import SCHEMA_PLACEHOLDER
 from pgq.sql import breaker as breaker_sql
 from pgq.sql import members as member_sql
@@ -62,7 +62,7 @@ from pgq.sql.publish import notify_channel
 from pgq.store.engine import connect, conninfo_of, schema_of, session_conninfo_of, session_options
 from pgq.store.errors import wrap_errors
 
-logger = logging.getLogger("pgq.store")
+logger = get_logger("pgq.store")
 T = TypeVar("T")
 
 STOP_CHECK = 0.2

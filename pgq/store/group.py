@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import logging
 import os
 import socket
 import threading
@@ -22,6 +21,7 @@ from sqlalchemy import Connection
 from sqlalchemy.sql import Executable
 
 from pgq.errors import PgqError
+from pgq.logcontext import get_logger
 from pgq.records import (
     BreakerView,
     Claimed,
@@ -48,7 +48,7 @@ from pgq.store.engine import schema_of
 from pgq.store.members import lock_holders, member_table
 from pgq.store.placement import distributed
 
-logger = logging.getLogger("pgq.store")
+logger = get_logger("pgq.store")
 
 ERROR_TEXT_MAX = 2000
 

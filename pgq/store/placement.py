@@ -9,7 +9,6 @@ base. A schema is distributed when its `delivery` table is (`pgq init --distribu
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import threading
 import time
 from collections.abc import Iterable
@@ -17,10 +16,11 @@ from collections.abc import Iterable
 from sqlalchemy import Connection, Engine
 
 from pgq.errors import PgqError
+from pgq.logcontext import get_logger
 from pgq.sql import placement as place
 from pgq.store.engine import conninfo_of, schema_of
 
-logger = logging.getLogger("pgq.store")
+logger = get_logger("pgq.store")
 
 _known: dict[tuple[str, str], bool] = {}
 _lock = threading.Lock()

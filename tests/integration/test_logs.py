@@ -7,6 +7,7 @@ import json
 import logging
 import re
 import sys
+import threading
 
 import pytest
 from helpers import invoke
@@ -21,6 +22,7 @@ from pgq.cli.logs import (
     quote,
     scrub,
 )
+from pgq.logcontext import carrying, get_logger, log_fields
 
 
 def record(msg: str, *args: object, exc: bool = False) -> logging.LogRecord:
@@ -176,3 +178,43 @@ def test_a_quoted_value_keeps_its_closing_quote_when_a_password_is_scrubbed():
     line = TextFormatter().format(record("connect failed dsn=%s n=%d", "host=db password=pw", 1))
     assert line.endswith('dsn="host=db password=***" n=1'), line
     assert logfmt(line) == [("dsn", "host=db password=***"), ("n", "1")]
+
+
+def test_bound_fields_reach_every_record_and_both_formats():
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    base = logging.getLogger("pgq.test.bound")
+    base.addHandler(handler)
+    base.setLevel(logging.INFO)
+    log = get_logger("pgq.test.bound")
+    try:
+        log.info("outside n=%d", 1)
+        with log_fields(group="g", member="m 1"):
+            log.info("inside n=%d", 2)
+            log.info("named group=%s", "g")
+            with log_fields(member="m2"):
+                log.info("nested")
+            thread = threading.Thread(target=carrying(lambda: log.info("thread")))
+            thread.start()
+            thread.join()
+            log.info("with extra", extra={"by": "quorum"})
+        log.info("after")
+    finally:
+        base.removeHandler(handler)
+    assert [(getattr(r, "group", None), getattr(r, "member", None)) for r in records] == [
+        (None, None),
+        ("g", "m 1"),
+        ("g", "m 1"),
+        ("g", "m2"),
+        ("g", "m 1"),
+        ("g", "m 1"),
+        (None, None),
+    ]
+    text = [TextFormatter().format(r) for r in records]
+    assert text[1].endswith('inside n=2 group=g member="m 1"')
+    assert text[2].endswith('named group=g member="m 1"')  # not twice
+    assert text[5].endswith('with extra group=g member="m 1" by=quorum')
+    assert text[0].endswith("outside n=1")
+    event = json.loads(JsonFormatter().format(records[1]))
+    assert (event["group"], event["member"], event["n"]) == ("g", "m 1", 2)
