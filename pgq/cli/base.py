@@ -36,7 +36,7 @@ from typing import IO, Any, TypeVar
 import click
 from sqlalchemy import Engine
 
-from pgq.cli.logs import FORMATS, configure_logging
+from pgq.cli.logs import FORMATS, configure_logging, report, use_format
 from pgq.errors import (
     DatabaseUnavailable,
     EmbeddedServerError,
@@ -52,6 +52,7 @@ from pgq.store import connect, with_connect_timeout
 __all__ = [
     "CONNECT_TIMEOUT",
     "EXIT_USAGE",
+    "LOG_FIELDS",
     "CheckCommand",
     "CheckUnknown",
     "CliError",
@@ -83,16 +84,32 @@ EXIT_USAGE = 2
 
 
 class CliError(click.ClickException):
-    """A failure shown as one line, `pgq: error: <message>`, with its exit code."""
+    """A failure shown as one line, `pgq: error: <message>`, with its exit code.
+
+    With `--log-format json` the line is a JSON object (`level` ERROR, `message`
+    and `error` the message, `exit_code`, and the fields of the command it
+    stopped: `group=`, `LOG_FIELDS`)."""
 
     exit_code = EXIT_USAGE
 
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(message.split()) or "error")
+        self.fields: dict[str, Any] = {}
 
     def show(self, file: IO[Any] | None = None) -> None:
         """Write the one line to stderr."""
-        click.echo(f"pgq: error: {self.format_message()}", err=True, file=file)
+        if file is not None:
+            click.echo(f"pgq: error: {self.format_message()}", file=file)
+            return
+        text = self.format_message()
+        report(
+            f"pgq: error: {text}",
+            text,
+            level="ERROR",
+            error=text,
+            exit_code=self.exit_code,
+            **self.fields,
+        )
 
 
 class CliFailure(CliError):
@@ -130,10 +147,13 @@ class PgqGroup(click.Group):
     and click's usage errors to the same one line."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        use_format("text")  # until the options say (an earlier invocation chose json)
         try:
-            return super().parse_args(ctx, args)
+            rest = super().parse_args(ctx, args)
         except click.UsageError as exc:
             raise usage_error(exc) from None
+        use_format(ctx.params.get("log_format") or "text")
+        return rest
 
     def invoke(self, ctx: click.Context) -> Any:
         """Run the command; a `PgqError` or a usage error becomes one line on stderr
@@ -141,9 +161,22 @@ class PgqGroup(click.Group):
         try:
             return super().invoke(ctx)
         except PgqError as exc:
-            raise cli_error(exc) from None
+            raise _with_fields(cli_error(exc), ctx) from None
         except click.UsageError as exc:
-            raise usage_error(exc) from None
+            raise _with_fields(usage_error(exc), ctx) from None
+        except CliError as exc:
+            raise _with_fields(exc, ctx) from None
+
+
+LOG_FIELDS = "pgq.log_fields"
+"""The key in `click.Context.meta` under which a command names what it works on
+(`{"group": ...}`): its error line carries them with `--log-format json`."""
+
+
+def _with_fields(exc: click.ClickException, ctx: click.Context) -> click.ClickException:
+    if isinstance(exc, CliError):
+        exc.fields = {**ctx.meta.get(LOG_FIELDS, {}), **exc.fields}
+    return exc
 
 
 class CheckUnknown(click.ClickException):

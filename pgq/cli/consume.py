@@ -16,6 +16,7 @@ This is the only place that installs signal handlers for a member (`pgq web` and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -23,7 +24,8 @@ from types import FrameType
 
 import click
 
-from pgq.cli.base import State, pass_state
+from pgq.cli.base import LOG_FIELDS, State, pass_state
+from pgq.cli.logs import report
 from pgq.consumer import Consumer
 from pgq.consumer.handling import load_handler
 from pgq.errors import DatabaseUnavailable
@@ -114,6 +116,7 @@ def consume(
     config_file: str | None,
 ) -> None:
     """Run a member of GROUP, calling the handler for each message."""
+    click.get_current_context().meta[LOG_FIELDS] = {"group": group}
     runtime = _duration(max_runtime, "--max-runtime")
     retries = _duration(wait_retries, "--wait-retries", zero=True) or 0.0
     if wait_retries is not None and not until_empty:
@@ -141,15 +144,26 @@ def consume(
             )
         except DatabaseUnavailable as exc:
             if until_empty:
-                click.echo(f"pgq: database unavailable, try later: {exc}", err=True)
+                report(
+                    f"pgq: database unavailable, try later: {exc}",
+                    "database unavailable, try later",
+                    level="ERROR",
+                    error=str(exc),
+                    group=group,
+                    member=consumer.name,
+                    exit_code=EX_TEMPFAIL,
+                )
                 sys.exit(EX_TEMPFAIL)
             raise
-    click.echo(
+    report(
         f"handled={summary.handled} done={summary.done} retried={summary.retried} "
         f"dead={summary.dead} released={summary.released} reclaimed={summary.reclaimed} "
         f"waiting_retry={summary.waiting_retry} refused={summary.refused}"
         f" stop_reason={summary.stop_reason}",
-        err=True,
+        "run summary",
+        group=group,
+        member=consumer.name,
+        **dataclasses.asdict(summary),
     )
     if summary.stop_reason == "breaker_open":
         sys.exit(EX_TEMPFAIL)

@@ -1,4 +1,4 @@
-"""How the `pgq` command writes its log: one event per line, as text or JSON.
+"""How the `pgq` command writes to stderr: one event per line, as text or JSON.
 
 pgq's log calls name their fields in the message template (`"member joined
 group=%s member=%s"`); the fields bound where the event happened (the group
@@ -15,6 +15,10 @@ here keep that one line per event, and no value can forge a field:
   paired with its argument (numbers stay numbers) and the bound ones, plus
   `exception` when a traceback is attached.
 
+What pgq writes to stderr outside the log — the run summary of `pgq consume`,
+`pgq: error: ...`, the `pgq web` banner — goes through `report`: the same
+line as always in text, one JSON object (its fields as JSON values) in json.
+
 Neither ever prints a secret: a `password=...` or the password of a URL in a
 message (a DSN quoted in an error) is replaced by `***`.
 """
@@ -27,6 +31,8 @@ import logging
 import re
 import sys
 from typing import IO, Any
+
+import click
 
 from pgq.cli.render import visible
 
@@ -212,6 +218,33 @@ class _StderrHandler(logging.StreamHandler[IO[str]]):
         pass
 
 
+_chosen = {"format": "text"}
+"""The format this invocation writes in (`use_format`)."""
+
+
+def use_format(log_format: str) -> None:
+    """Write `report` lines (and the next `configure_logging`'s) as `log_format`."""
+    _chosen["format"] = log_format.lower() if log_format.lower() in FORMATS else "text"
+
+
+def report(text: str, message: str, *, level: str = "INFO", **values: Any) -> None:
+    """Write a line to stderr that is not a log event (the run summary, an error, a
+    banner), whatever the log level: `text` as it is in the text format; in the
+    JSON format one object with `time`, `level`, `logger` (`pgq.cli`), `message`
+    and `values` as JSON values (text values without secrets)."""
+    if _chosen["format"] != "json":
+        click.echo(text, err=True)
+        return
+    event: dict[str, Any] = {
+        "time": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "level": level,
+        "logger": "pgq.cli",
+        "message": scrub(message),
+        **{key: _plain(value) for key, value in values.items()},
+    }
+    click.echo(json.dumps(event, default=str), err=True)
+
+
 SERVED_LIBRARIES = ("waitress",)
 """Libraries whose warnings and errors pgq's commands report in pgq's own format
 (`pgq web` serves with waitress); they keep their own level (WARNING)."""
@@ -224,8 +257,9 @@ def configure_logging(verbose: int, level: str | None = None, log_format: str = 
     Other libraries stay at the root logger's WARNING. Calling it again (tests
     invoke the CLI many times in one process) replaces the handler it installed.
     """
+    use_format(log_format)
     handler = _StderrHandler()
-    handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter() if _chosen["format"] == "json" else TextFormatter())
     for name in ("pgq", *SERVED_LIBRARIES):
         logger = logging.getLogger(name)
         for old in list(logger.handlers):

@@ -21,6 +21,7 @@ import stat
 import click
 
 from pgq.cli.base import State, bind_dashboard, pass_state, stopping_on_signals, web_extra
+from pgq.cli.logs import report
 from pgq.errors import UsageError
 from pgq.monitor import status_all
 
@@ -101,7 +102,12 @@ def web(state: State, host: str, port: int, admin: bool, tokens_file: str | None
     mode = "admin" if admin else "read-only"
     try:
         with stopping_on_signals():
-            click.echo(f"pgq web: {server.url} ({mode}); Ctrl-C stops it", err=True)
+            report(
+                f"pgq web: {server.url} ({mode}); Ctrl-C stops it",
+                "pgq web listening; Ctrl-C stops it",
+                url=server.url,
+                mode=mode,
+            )
             server.serve()
     except KeyboardInterrupt:
         pass

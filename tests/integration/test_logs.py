@@ -6,21 +6,25 @@ import ast
 import json
 import logging
 import re
+import subprocess
 import sys
 import threading
 
 import pytest
-from helpers import invoke
+from helpers import PGQ, consumer_env, invoke
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+import pgq
 from pgq.cli.logs import (
     JsonFormatter,
     TextFormatter,
     configure_logging,
     fields,
     quote,
+    report,
     scrub,
+    use_format,
 )
 from pgq.logcontext import carrying, get_logger, log_fields
 
@@ -218,3 +222,67 @@ def test_bound_fields_reach_every_record_and_both_formats():
     assert text[0].endswith("outside n=1")
     event = json.loads(JsonFormatter().format(records[1]))
     assert (event["group"], event["member"], event["n"]) == ("g", "m 1", 2)
+
+
+def test_report_writes_the_same_line_as_before_in_text_and_one_object_in_json(capsys):
+    use_format("text")
+    report("handled=1 stop_reason=empty", "run summary", handled=1, stop_reason="empty")
+    assert capsys.readouterr().err == "handled=1 stop_reason=empty\n"
+    use_format("json")
+    try:
+        report("text", "run summary", level="INFO", handled=1, rate=1.5, dsn="x password=pw")
+    finally:
+        use_format("text")
+    event = json.loads(capsys.readouterr().err)
+    assert event["message"] == "run summary" and event["level"] == "INFO"
+    assert (event["handled"], event["rate"], event["dsn"]) == (1, 1.5, "x password=***")
+
+
+# -- everything else pgq writes to stderr: the run summary, errors (issue 21) ---------
+
+
+def test_with_json_the_run_summary_and_every_line_of_a_run_are_json_objects(
+    orders, pgq_env, tmp_path
+):
+    pgq.publish_many(orders, "orders", [{"n": i} for i in range(3)])
+    env = consumer_env(pgq_env, tmp_path)
+    args = ["consume", "billing", "--handler", "handlers:record", "--until-empty"]
+    run = subprocess.run(
+        [*PGQ, "--log-format", "json", *args], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    events = [json.loads(line) for line in run.stderr.splitlines()]
+    assert all(e["group"] == "billing" and e["member"] for e in events), events
+    summary = events[-1]
+    assert summary["message"] == "run summary" and summary["level"] == "INFO"
+    assert (summary["handled"], summary["done"], summary["stop_reason"]) == (3, 3, "empty")
+    [left] = [e for e in events if e["message"].startswith("member left")]
+    assert (left["handled"], left["refused"], left["stop_reason"]) == (3, 0, "empty")
+
+    text = subprocess.run([*PGQ, *args], env=env, capture_output=True, text=True, timeout=60)
+    assert text.returncode == 0, text.stderr
+    assert text.stderr.splitlines()[-1] == (  # as it always was
+        "handled=0 done=0 retried=0 dead=0 released=0 reclaimed=0 waiting_retry=0"
+        " refused=0 stop_reason=empty"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "fields"),
+    [
+        (("consume", "billing", "--handler", "no_such_module:f"), {"group": "billing"}),
+        (("consume", "billing", "--handler", "h:f", "--workers", "0"), {}),
+        (("no-such-command",), {}),
+        (("status", "nosuch"), {}),
+    ],
+)
+def test_with_json_an_error_is_one_json_object(orders, pgq_env, args, fields):
+    result = invoke(pgq_env, "--log-format", "json", *args)
+    assert result.exit_code == 2, result.stderr
+    [line] = result.stderr.splitlines()
+    event = json.loads(line)
+    assert event["level"] == "ERROR" and event["exit_code"] == 2
+    assert event["message"] == event["error"] and event["error"]
+    assert {k: event[k] for k in fields} == fields
+    again = invoke(pgq_env, *args)  # and in text, the line it always was
+    assert again.stderr.splitlines() == [f"pgq: error: {event['error']}"]

@@ -719,7 +719,10 @@ def _url_from(log: Path, proc: subprocess.Popen[str], timeout: float = 60) -> st
 
     def printed() -> str:
         assert proc.poll() is None, log.read_text()
-        found = re.search(r"^pgq web: (http://\S+/) ", log.read_text(), re.MULTILINE)
+        text = log.read_text()
+        found = re.search(r"^pgq web: (http://\S+/) ", text, re.MULTILINE)
+        if found is None:  # with --log-format json: {"message": ..., "url": ...}
+            found = re.search(r'^\{.*"url": "(http://[^"]+/)"', text, re.MULTILINE)
         return found.group(1) if found else ""
 
     return wait_until(printed, timeout, "pgq web to print its URL", interval=0.1)
@@ -1027,9 +1030,9 @@ def test_under_load_every_log_line_is_a_json_log_line(engine, dead, pgq_env, tmp
             th.join(120)
     [log] = tmp_path.glob("web-*.log")
     lines = log.read_text().splitlines()
-    assert lines[0].startswith("pgq web: http://127.0.0.1:")
+    assert json.loads(lines[0])["url"].startswith("http://127.0.0.1:")  # the banner too
     foreign = []
-    for line in lines[1:]:
+    for line in lines:
         try:
             json.loads(line)
         except ValueError:
