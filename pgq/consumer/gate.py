@@ -142,8 +142,11 @@ class Gate:
         if any(row.probe for row in rows):
             self.local.abandon_probe()
 
-    def see_group(self, state: str, epoch: int) -> bool:
-        """Take in the group state read from the database; True if it changed."""
+    def see_group(self, state: str, epoch: int, by: str | None = None) -> bool:
+        """Take in the group state read from the database; True if it changed. The
+        change is logged here, once per transition; `by`: what this member did to
+        make it (`quorum`, `probe`, `nothing_to_probe`)."""
+        cause = {} if by is None else {"by": by}
         with self._lock:
             if epoch == self.epoch and state == self.group_state:
                 return False
@@ -152,9 +155,9 @@ class Gate:
             was_open = self.group_state == BreakerState.OPEN
             self.group_state, self.epoch = state, epoch
         if state == BreakerState.OPEN:
-            logger.warning("group breaker open epoch=%d", epoch)
+            logger.warning("group breaker open epoch=%d", epoch, extra=cause)
         elif was_open:
-            logger.info("group breaker closed epoch=%d", epoch)
+            logger.info("group breaker closed epoch=%d", epoch, extra=cause)
             self._closed_at = self.clock()
             if self.local.is_open:
                 self.local.probe_now()  # re-verify ourselves at once; the close does not heal us

@@ -175,10 +175,7 @@ class Heartbeat(Role):
             return
         view, opened = beaten
         if opened is not None:
-            logger.warning(
-                "group breaker opened by quorum group=%s epoch=%d", m.store.group, opened
-            )
-            gate.see_group(BreakerState.OPEN, opened)
+            gate.see_group(BreakerState.OPEN, opened, by="quorum")
         else:
             gate.see_group(view.state, view.epoch)
         if needs_prober(gate.group_state, view.reconcile_epoch is not None):

@@ -182,8 +182,7 @@ class Prober(Role):
         m, s = self.member, self.member.settings
         closed = self.conn.run(m.store.close_idle, epoch, s.breaker_max_refunds)
         if closed is not None:  # nothing left to probe: the OPEN holds nothing back
-            logger.info("group breaker closed with nothing left to probe epoch=%d", closed)
-            self.gate.see_group(BreakerState.CLOSED, closed)
+            self.gate.see_group(BreakerState.CLOSED, closed, by="nothing_to_probe")
             return None
         if self.one_shot:
             return LeadMove.STOP
@@ -257,8 +256,7 @@ class Prober(Role):
                 if lost is None:
                     written, closed = self.conn.retrying(m.store.probe_succeeded, row, epoch)
                     if closed is not None:
-                        logger.info("group breaker closed by probe epoch=%d", closed)
-                        self.gate.see_group(BreakerState.CLOSED, closed)
+                        self.gate.see_group(BreakerState.CLOSED, closed, by="probe")
                 else:
                     # it succeeded but may not close: free the slot for the member that
                     # holds the lock now, and log the probe as it went

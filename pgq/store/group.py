@@ -626,7 +626,7 @@ class GroupStore:
         driver = conn.connection.driver_connection
         assert driver is not None
         driver.execute(stats_sql.analyze(schema))
-        logger.info("analyzed delivery schema=%s changed=%d live=%d", schema, changed, live)
+        logger.debug("analyzed delivery schema=%s changed=%d live=%d", schema, changed, live)
         return True
 
     def vacuum_dead_rows(self, conn: Connection) -> bool:

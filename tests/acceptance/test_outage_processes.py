@@ -305,7 +305,7 @@ def test_cron_alone_recovers_an_open_group_whose_rows_all_died(
     code, log = members.cron("recover", 60, **cron)
     assert code == 0, log
     assert "stop_reason=empty" in log
-    assert "group breaker closed by probe" in log and "reconciliation finished" in log
+    assert "by=probe" in log and "reconciliation finished" in log
 
     check = subprocess.run(
         [*PGQ, "check", "g"], env=pgq_env, capture_output=True, text=True, timeout=60

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from helpers import wait_until
 from sqlalchemy import Engine, text
 
@@ -9,7 +11,8 @@ import pgq
 from pgq.store import GroupStore, group_info, run_once
 
 
-def test_a_burst_gets_the_delivery_table_analyzed_once(engine: Engine, schema: str):
+def test_a_burst_gets_the_delivery_table_analyzed_once(engine: Engine, schema: str, caplog):
+    caplog.set_level(logging.DEBUG, logger="pgq.store")
     pgq.create_topic(engine, "t")
     pgq.subscribe(engine, "g", "t")
     with engine.begin() as conn:
@@ -27,3 +30,6 @@ def test_a_burst_gets_the_delivery_table_analyzed_once(engine: Engine, schema: s
         ).scalar()
     assert analyzed
     assert not run_once(engine, store.refresh_statistics)  # fresh now: nothing to do
+    # routine (every ~30 s per member under load): a debug line, not INFO noise
+    [analyzed_line] = [r for r in caplog.records if r.getMessage().startswith("analyzed delivery")]
+    assert analyzed_line.levelno == logging.DEBUG

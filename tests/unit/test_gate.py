@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 
 from helpers import FakeClock
 
@@ -160,3 +161,19 @@ def test_no_local_probe_starts_while_the_group_is_open():
     assert gate.admit(row(3, probe=True))
     gate.see_group("OPEN", 1)
     assert not gate.admit(row(3, probe=True))
+
+
+def test_each_group_transition_is_logged_once_with_what_made_it(caplog):
+    gate, _, _ = make_gate()
+    with caplog.at_level(logging.INFO, logger="pgq.breaker"):
+        gate.see_group("OPEN", 1, by="quorum")
+        gate.see_group("OPEN", 1)  # the heartbeat and the prober read it again
+        gate.see_group("CLOSED", 2, by="probe")
+        gate.see_group("CLOSED", 2)
+        gate.see_group("OPEN", 3)  # another member opened it
+    lines = [(r.getMessage(), getattr(r, "by", None)) for r in caplog.records]
+    assert lines == [
+        ("group breaker open epoch=1", "quorum"),
+        ("group breaker closed epoch=2", "probe"),
+        ("group breaker open epoch=3", None),
+    ]
