@@ -110,9 +110,12 @@ class Maintenance(Role):
         self._retention_cut = False
         """The last retention pass was cut short by the stop."""
 
-    def add(self, name: str, interval: float, run: Callable[[], object]) -> None:
-        """Schedule `run` every `interval` seconds (first run at once)."""
-        self.tasks.append(Task(name, interval, run))
+    def add(
+        self, name: str, interval: float, run: Callable[[], object], *, first_in: float = 0.0
+    ) -> None:
+        """Schedule `run` every `interval` seconds (the first run `first_in` seconds
+        from now: at once by default)."""
+        self.tasks.append(Task(name, interval, run, self.clock() + first_in if first_in else 0.0))
 
     def work(self) -> None:
         try:

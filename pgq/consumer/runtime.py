@@ -3,8 +3,8 @@
     fetcher ──claims──▶ buffered-claim pool ──▶ workers (handler) ──outcomes──▶ acker
     heartbeat: liveness, lease extension, quorum open, group state ──▶ gate;
                starts the prober
-    maintenance: sweep, frontier, statistics, pruning, retention, handler timeouts
-                 (housekeeping: gives up on a lock after a few seconds)
+    maintenance: sweep, frontier, statistics, pruning, retention, handler timeouts,
+                 the progress line (housekeeping: gives up on a lock after a few seconds)
 
 Data flows one way: the gate tells its listeners (fetcher, pool, heartbeat)
 when a breaker changes; workers take the gate and the acker directly; each
@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from pgq.consumer import progress
 from pgq.consumer.acker import Acker
 from pgq.consumer.fetcher import Fetcher
 from pgq.consumer.gate import Gate
@@ -71,6 +72,9 @@ class Runtime:
         self.maintenance.add(
             "handler-timeouts", min(0.5, s.handler_timeout / 4), self.workers.check_timeouts
         )
+        every = progress.PROGRESS_EVERY
+        line = progress.Progress(member, gate, self.maintenance.conn, clock)
+        self.maintenance.add("progress", every, line, first_in=every)
         gate.on_change(self.fetcher.wake.set)
         gate.on_change(member.pool.wake)  # a fetcher waiting for space re-checks the gate
         gate.on_change(self.heartbeat.poke)

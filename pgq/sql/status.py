@@ -268,3 +268,20 @@ def frontier_holder(excluding: str | None = None) -> Select[Any]:
         )
         .limit(1)
     )
+
+
+def _in_state(state: RowState) -> Any:
+    d = t.delivery
+    return (
+        select(func.count())
+        .where(d.c.group_id == bindparam("gid", type_=Integer), d.c.state == state.value)
+        .scalar_subquery()
+    )
+
+
+@cache
+def group_lag() -> Select[Any]:
+    """Group `:gid`'s messages not yet resolved (`lag`: ready + leased), each state
+    counted through its partial index (a member's progress line reads it once a
+    minute; `group_counts` reads every row of the group)."""
+    return select(_in_state(RowState.READY) + _in_state(RowState.LEASED))

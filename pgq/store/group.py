@@ -41,6 +41,7 @@ from pgq.sql import locks as locks_sql
 from pgq.sql import members as member_sql
 from pgq.sql import outcomes as outcome_sql
 from pgq.sql import stats as stats_sql
+from pgq.sql import status as status_sql
 from pgq.sql.locks import breaker_flip_key, lock_key, try_xact_lock, xact_lock
 from pgq.store import placement
 from pgq.store.connections import run_hot
@@ -773,6 +774,10 @@ class GroupStore:
     def leave(self, conn: Connection) -> None:
         """Mark this member as gone (not the process that took its name over)."""
         conn.execute(member_sql.leave(), self._me())
+
+    def lag(self, conn: Connection) -> int:
+        """The group's messages not yet resolved (ready + leased), as `pgq status`."""
+        return int(conn.execute(status_sql.group_lag(), {"gid": self.gid}).scalar() or 0)
 
     def drain_state(self, conn: Connection, ttl: float, wait: float = 0.0) -> DrainState:
         """Rows ready now, waiting for retry (and of those, due within `wait` seconds),

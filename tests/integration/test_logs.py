@@ -11,7 +11,7 @@ import sys
 import threading
 
 import pytest
-from helpers import PGQ, consumer_env, invoke
+from helpers import FAST, PGQ, consumer_env, invoke, wait_until
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
@@ -26,6 +26,7 @@ from pgq.cli.logs import (
     scrub,
     use_format,
 )
+from pgq.consumer import progress
 from pgq.logcontext import carrying, get_logger, log_fields
 
 
@@ -286,3 +287,48 @@ def test_with_json_an_error_is_one_json_object(orders, pgq_env, args, fields):
     assert {k: event[k] for k in fields} == fields
     again = invoke(pgq_env, *args)  # and in text, the line it always was
     assert again.stderr.splitlines() == [f"pgq: error: {event['error']}"]
+
+
+# -- the progress line: alive, and how fast (issue 21) --------------------------------
+
+
+def test_rate_is_per_second_to_one_decimal():
+    assert (progress.rate(90, 60.0), progress.rate(1, 3.0), progress.rate(5, 0.0)) == (
+        1.5,
+        0.3,
+        0.0,
+    )
+
+
+def test_a_member_logs_its_progress_once_an_interval(orders, monkeypatch, caplog):
+    monkeypatch.setattr(progress, "PROGRESS_EVERY", 0.3)
+    caplog.set_level(logging.INFO, logger="pgq.consumer")
+    pgq.publish_many(orders, "orders", [{"n": i} for i in range(20)])
+    gate = threading.Event()
+    c = pgq.Consumer(orders, "billing", lambda m: gate.wait(10), workers=2, **FAST)
+
+    def lines() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.getMessage().startswith("progress ")]
+
+    c.start()
+    try:
+        wait_until(lambda: lines(), 10, "a progress line while the handlers wait")
+        gate.set()
+        wait_until(
+            lambda: (fields(lines()[-1])["lag"], fields(lines()[-1])["handled"]) == (0, 0),
+            20,
+            "a progress line of an idle member",
+        )
+    finally:
+        c.stop()
+    seen = [fields(r) | {"group": r.group, "member": r.member} for r in lines()]
+    assert seen[0]["lag"] == 20 and seen[0]["handled"] == 0, seen  # nothing finished yet
+    assert sum(s["handled"] for s in seen) == 20, seen  # each line: since the one before
+    for s in seen:
+        assert (s["group"], s["member"], s["breaker"], s["local_breaker"]) == (
+            "billing",
+            c.name,
+            "CLOSED",
+            "closed",
+        )
+        assert isinstance(s["rate"], float) and s["rate"] >= 0
