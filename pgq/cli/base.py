@@ -24,6 +24,7 @@ take `state: State` through `@pass_state`, call the library through
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import json
 import signal
@@ -170,7 +171,8 @@ class PgqGroup(click.Group):
 
 LOG_FIELDS = "pgq.log_fields"
 """The key in `click.Context.meta` under which a command names what it works on
-(`{"group": ...}`): its error line carries them with `--log-format json`."""
+(`{"group": ...}`, set by `pass_state`): its error line carries them with
+`--log-format json`."""
 
 
 def _with_fields(exc: click.ClickException, ctx: click.Context) -> click.ClickException:
@@ -239,7 +241,21 @@ class State:
             self._engine = None
 
 
-pass_state = click.make_pass_decorator(State)
+_pass_state = click.make_pass_decorator(State)
+
+
+def pass_state(command: F) -> F:
+    """Pass the invocation's `State` as the first argument; a command's `group`
+    (or `topic`) argument is also what its error line names (`LOG_FIELDS`)."""
+
+    @functools.wraps(command)
+    def named(*args: Any, **kwargs: Any) -> Any:
+        fields = {k: kwargs[k] for k in ("group", "topic") if isinstance(kwargs.get(k), str)}
+        if fields:
+            click.get_current_context().meta[LOG_FIELDS] = fields
+        return command(*args, **kwargs)
+
+    return _pass_state(named)  # type: ignore[return-value]
 
 
 def cli_dsn(dsn: str | None) -> str | None:

@@ -24,7 +24,7 @@ from types import FrameType
 
 import click
 
-from pgq.cli.base import LOG_FIELDS, State, pass_state
+from pgq.cli.base import State, pass_state
 from pgq.cli.logs import report
 from pgq.consumer import Consumer
 from pgq.consumer.handling import load_handler
@@ -116,7 +116,6 @@ def consume(
     config_file: str | None,
 ) -> None:
     """Run a member of GROUP, calling the handler for each message."""
-    click.get_current_context().meta[LOG_FIELDS] = {"group": group}
     runtime = _duration(max_runtime, "--max-runtime")
     retries = _duration(wait_retries, "--wait-retries", zero=True) or 0.0
     if wait_retries is not None and not until_empty:

@@ -274,7 +274,9 @@ def test_with_json_the_run_summary_and_every_line_of_a_run_are_json_objects(
         (("consume", "billing", "--handler", "no_such_module:f"), {"group": "billing"}),
         (("consume", "billing", "--handler", "h:f", "--workers", "0"), {}),
         (("no-such-command",), {}),
-        (("status", "nosuch"), {}),
+        (("status", "nosuch"), {"group": "nosuch"}),
+        (("dead", "nosuch"), {"group": "nosuch"}),
+        (("publish", "nosuch", "{"), {"topic": "nosuch"}),
     ],
 )
 def test_with_json_an_error_is_one_json_object(orders, pgq_env, args, fields):
