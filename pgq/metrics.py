@@ -95,6 +95,12 @@ GROUP_METRICS: tuple[GroupMetric, ...] = (
         lambda g: g.lag,
     ),
     GroupMetric(
+        "pgq_group_oldest_ready_age_seconds",
+        "gauge",
+        "how long the oldest row ready now has been claimable (no sample: none is)",
+        lambda g: g.oldest_ready_age_s,
+    ),
+    GroupMetric(
         "pgq_group_done",
         "counter",
         "messages the group finished since it was created (pruned ones included)",

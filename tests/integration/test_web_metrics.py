@@ -31,6 +31,7 @@ GROUP_FAMILIES = {
     "pgq_group_dead_rows",
     "pgq_group_dead_systemic_rows",
     "pgq_group_lag",
+    "pgq_group_oldest_ready_age_seconds",
     "pgq_group_done_total",
     "pgq_group_reclaimed_total",
     "pgq_group_released_total",
@@ -134,6 +135,7 @@ def test_metrics_show_groups_no_member_runs(engine, serve):
     assert g["pgq_group_breaker_state:OPEN"] == 1 and g["pgq_group_breaker_state:CLOSED"] == 0
     assert g["pgq_group_breaker_epoch"] == 3
     assert g["pgq_group_live_members"] == 0
+    assert 0 <= g["pgq_group_oldest_ready_age_seconds"] < 60  # published just now
     status = pgq.status(engine, "g")  # the same numbers as `pgq status g --json`
     assert g["pgq_group_lag"] == status["lag"]
     assert {k: g[f"pgq_group_{k}_rows"] for k in ("ready", "leased", "dead", "dead_systemic")} == {
@@ -142,6 +144,7 @@ def test_metrics_show_groups_no_member_runs(engine, serve):
 
     idle = of(found, "idle")
     assert idle["pgq_group_lag"] == 0 and idle["pgq_group_done_total"] == 0
+    assert "pgq_group_oldest_ready_age_seconds" not in idle  # no row ready: no sample
     assert idle["pgq_group_breaker_state:CLOSED"] == 1 and idle["pgq_group_breaker_state:OPEN"] == 0
     assert idle["pgq_group_live_members"] == 0
 
