@@ -16,7 +16,8 @@ locks the topic row, retention the topic row and the expired messages), so the
 producer and the consumer get UPDATE on one column there, `created_at`, which
 no statement writes: UPDATE on the whole table would let a producer rename
 topics and a consumer rewrite payloads. `RETURNING` reads what it returns, so
-an insert that returns ids needs SELECT. Identity columns (`message.id`, `audit.id`) draw from their
+an insert that returns ids needs SELECT on the id column, and no more: a
+producer reads no payload. Identity columns (`message.id`, `audit.id`) draw from their
 sequences without USAGE on them; `lease_token` is a plain sequence.
 
 A member checks the consumer's list when it starts: a role that could claim
@@ -77,7 +78,8 @@ CONSUMER_SEQUENCES: dict[str, tuple[str, ...]] = {
 PRODUCER_TABLES: dict[str, tuple[str, ...]] = {
     "topic": ("SELECT",),
     "topic.created_at": ("UPDATE",),  # only to lock: publishing locks the topic (FOR KEY SHARE)
-    "message": ("SELECT", "INSERT"),  # SELECT: the insert returns the new ids
+    "message": ("INSERT",),
+    "message.id": ("SELECT",),  # the insert returns the new ids; never a payload
     "consumer_group": ("SELECT",),  # the groups of the topic
     "delivery": ("INSERT",),  # one ready row per group
 }

@@ -191,6 +191,29 @@ def test_the_consumer_role_cannot_publish(granted_roles, orders, schema):
     assert messages(orders) == before
 
 
+def test_a_producer_reads_no_payload(granted_roles, orders, schema):
+    """Failed before: `pgq grant --producer` gave SELECT on all of `message`, and a
+    producer read every topic's payloads. It needs the ids its insert returns."""
+    pgq.create_topic(orders, "payroll")
+    pgq.publish(orders, "payroll", {"ssn": "078-05-1120", "salary": 10**6})
+    producer = granted_roles["producer"]
+    s = sql.Identifier(schema).as_string(None)
+    read = []
+    for statement in (
+        f"SELECT payload FROM {s}.message",
+        f"SELECT * FROM {s}.message",
+        f"SELECT headers, key FROM {s}.message",
+        f"SELECT count(*) FROM {s}.message WHERE payload ? 'ssn'",
+    ):
+        with psycopg.connect(producer.dsn) as conn:
+            try:
+                read.append((statement, conn.execute(statement.encode()).fetchall()))
+            except psycopg.errors.InsufficientPrivilege:
+                pass
+    assert read == []
+    assert pgq.publish(producer.engine, "orders", {"n": 1}) > 0  # and it still publishes
+
+
 REWRITES = [
     ("producer", "UPDATE {s}.topic SET name = 'hijacked'"),
     ("consumer", "UPDATE {s}.topic SET name = 'hijacked'"),
@@ -412,7 +435,8 @@ def test_print_needs_no_database_nor_an_existing_role(schema):
         f'GRANT USAGE ON SCHEMA "{schema}" TO "app_that_will_exist"',
         f'GRANT SELECT ON TABLE "{schema}"."topic" TO "app_that_will_exist"',
         f'GRANT UPDATE ("created_at") ON TABLE "{schema}"."topic" TO "app_that_will_exist"',
-        f'GRANT SELECT, INSERT ON TABLE "{schema}"."message" TO "app_that_will_exist"',
+        f'GRANT INSERT ON TABLE "{schema}"."message" TO "app_that_will_exist"',
+        f'GRANT SELECT ("id") ON TABLE "{schema}"."message" TO "app_that_will_exist"',
         f'GRANT SELECT ON TABLE "{schema}"."consumer_group" TO "app_that_will_exist"',
         f'GRANT INSERT ON TABLE "{schema}"."delivery" TO "app_that_will_exist"',
     ]
