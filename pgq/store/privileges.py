@@ -14,10 +14,14 @@ driver errors).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from sqlalchemy import Connection, Engine
 
-from pgq.errors import PermissionDenied, SchemaMissing, UsageError
+from pgq.errors import PermissionDenied, SchemaMissing, UnknownGroup, UnknownTopic, UsageError
+from pgq.names import check_name
 from pgq.sql import privileges as privileges_sql
+from pgq.sql import restrictions as restrictions_sql
 from pgq.sql.locks import lock_key, xact_lock
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
@@ -65,21 +69,40 @@ def grant_sql(schema: str, role: str, job: str) -> list[str]:
     return [s.as_string(None) for s in privileges_sql.grant_statements(job, schema, role)]
 
 
-def grant(engine: Engine, role: str, job: str) -> list[str]:
+def grant(
+    engine: Engine,
+    role: str,
+    job: str,
+    *,
+    topics: Sequence[str] = (),
+    groups: Sequence[str] = (),
+    dry_run: bool = False,
+) -> list[str]:
     """Grant `role` exactly what `job` needs on the engine's schema, in one
-    transaction; return the statements run (`grant_sql`'s, in order).
+    transaction; return the statements run (`grant_sql`'s, in order, then the
+    restriction's).
+
+    With `topics` and/or `groups` the role is restricted to those rows
+    (row-level security, `pgq.sql.restrictions`): it replaces whatever
+    restriction the role had; without them a restriction the role had is lifted.
+    `dry_run` returns the same statements and runs none (`pgq grant --print`
+    with `--topic`/`--group`: the ids are read from the database).
 
     Idempotent (GRANT again changes nothing; privileges the role has besides
-    are left alone). Raises `UsageError` when the role does not exist,
-    `SchemaMissing` before `pgq init`, and `PermissionDenied` when the role
-    running this may not grant all of it (PostgreSQL refuses, or only warns
-    for what it holds without the grant option): then nothing is granted.
+    are left alone). Raises `UsageError` when the role does not exist or a
+    topic or group is unknown, `SchemaMissing` before `pgq init`, and
+    `PermissionDenied` when the role running this may not grant all of it
+    (PostgreSQL refuses, or only warns for what it holds without the grant
+    option): then nothing is granted.
     """
     schema = schema_of(engine)
     statements = grant_sql(schema, role, job)
+    _check_restriction(job, topics, groups)
     owner = f"run pgq grant as the owner of schema {schema} (the role that ran pgq init)"
     try:
-        grantor, lacking = _grant(engine, schema, role, job, statements)
+        grantor, ran, lacking = _grant(
+            engine, schema, role, job, statements, topics, groups, dry_run
+        )
     except SchemaMissing:
         raise SchemaMissing(
             f"schema {schema} is not installed or not up to date: run `pgq init`"
@@ -91,14 +114,33 @@ def grant(engine: Engine, role: str, job: str) -> list[str]:
             f"role {grantor!r} cannot grant {_named(schema, job, lacking)} to {role!r};"
             f" {owner}; nothing granted"
         )
-    return statements
+    return ran
+
+
+def _check_restriction(job: str, topics: Sequence[str], groups: Sequence[str]) -> None:
+    """`UsageError` for a name that cannot be a topic's or a group's, or a producer
+    restricted by group (it publishes to topics)."""
+    for topic in topics:
+        check_name("topic", topic)
+    for group in groups:
+        check_name("group", group)
+    if groups and job == "producer":
+        raise UsageError("--group is for --consumer and --admin: restrict a producer by --topic")
 
 
 def _grant(
-    engine: Engine, schema: str, role: str, job: str, statements: list[str]
-) -> tuple[str, list[tuple[str, str]]]:
-    """Run `statements`; return the role that ran them and what `role` still lacks
-    (then the transaction is rolled back).
+    engine: Engine,
+    schema: str,
+    role: str,
+    job: str,
+    statements: list[str],
+    topics: Sequence[str],
+    groups: Sequence[str],
+    dry_run: bool,
+) -> tuple[str, list[str], list[tuple[str, str]]]:
+    """Run `statements` and the restriction's; return the role that ran them, the
+    statements, and what `role` still lacks (then the transaction is rolled back;
+    with `dry_run` it always is, and nothing was run).
 
     Holds `pgq init`'s lock on the schema until it commits: GRANT rewrites each
     table's catalog row, and two at once on one table fail one of them ("tuple
@@ -108,6 +150,11 @@ def _grant(
         if not conn.execute(privileges_sql.role_exists(), {"role": role}).scalar_one():
             raise UsageError(f"role {role!r} does not exist")
         conn.execute(xact_lock(lock_key(schema, "migrate")))
+        statements = statements + restriction_sql(conn, schema, role, topics, groups)
+        grantor = str(conn.execute(privileges_sql.current_role()).scalar_one())
+        if dry_run:
+            transaction.rollback()
+            return grantor, statements, []
         driver = conn.connection.driver_connection
         assert driver is not None
         with driver.cursor() as cur:
@@ -115,10 +162,53 @@ def _grant(
                 cur.execute(statement)  # no parameters: the text is sent as printed
         params = {"schema": schema, "role": role}
         found = conn.execute(privileges_sql.missing_privileges(job, of_role=True), params).all()
-        grantor = str(conn.execute(privileges_sql.current_role()).scalar_one())
         if found:
             transaction.rollback()
-        return grantor, [(str(kind), str(privilege)) for kind, privilege in found]
+        return grantor, statements, [(str(kind), str(privilege)) for kind, privilege in found]
+
+
+def restriction_sql(
+    conn: Connection, schema: str, role: str, topics: Sequence[str], groups: Sequence[str]
+) -> list[str]:
+    """The statements that restrict existing `role` to `topics` and `groups` (names),
+    replacing its restriction; with neither, the ones that lift it (none when it
+    has none). Raises `UnknownTopic` / `UnknownGroup` for a name not in the schema.
+
+    Row-level security and `pgq_all` are turned on once, by the first
+    restriction, and stay: they cost unrestricted roles nothing (decision 0034)."""
+    q = restrictions_sql
+    oid = int(conn.execute(q.role_oid(), {"role": role}).scalar_one())
+    comments = {(str(a), str(b)): c for a, b, c in conn.execute(q.policies(), {"schema": schema})}
+    mine = set(q.policy_names(oid))
+    statements = q.drop_statements(schema, [p for p in comments if p in mine])
+    if topics or groups:
+        topic_ids = _ids(conn, q.topics_named(), topics, UnknownTopic, "topic")
+        found = conn.execute(q.groups_named(), {"names": list(groups)}).mappings().all()
+        _all_known(groups, {row["name"] for row in found}, UnknownGroup, "group")
+        group_ids = [int(row["id"]) for row in found]
+        allowed = ([*topic_ids, *(int(row["topic_id"]) for row in found)], topic_ids, group_ids)
+        enabled = [str(e) for e in conn.execute(q.secured_tables(), {"schema": schema}).scalars()]
+        opened = [name for name, policy in comments if policy == q.OPEN_POLICY]
+        opening = q.open_statements(schema, enabled, opened)
+        same = comments.get(("topic", q.only_policy(oid))) == q.fingerprint(*allowed)
+        if same and not opening and mine <= set(comments):
+            return []  # restricted so already: no statement, no lock
+        statements = [*opening, *statements, *q.restrict_statements(schema, role, oid, *allowed)]
+    return [s.as_string(None) for s in statements]
+
+
+def _ids(
+    conn: Connection, query: object, names: Sequence[str], error: type[UsageError], kind: str
+) -> list[int]:
+    rows = conn.execute(query, {"names": list(names)}).all()  # type: ignore[call-overload]
+    _all_known(names, {str(name) for _, name in rows}, error, kind)
+    return [int(i) for i, _ in rows]
+
+
+def _all_known(names: Sequence[str], known: set[str], error: type[UsageError], kind: str) -> None:
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise error(f"unknown {kind} {unknown[0]!r}: nothing granted")
 
 
 def _named(schema: str, job: str, rows: list[tuple[str, str]]) -> str:
