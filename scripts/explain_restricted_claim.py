@@ -1,5 +1,5 @@
-"""EXPLAIN (ANALYZE, BUFFERS) of the claim as an unrestricted and a restricted role
-(decision 0034): not a benchmark, one statement's plan and time.
+"""EXPLAIN (ANALYZE, BUFFERS) of the claim and of a publish as unrestricted and
+restricted roles (decision 0034): not a benchmark, one statement's plan and time.
 
 A fresh schema `grants_explain` on `$PGQ_DSN` (default: the local test server):
 topic `orders` with groups `billing` and `shipping` (20,000 messages, so 20,000
@@ -11,12 +11,17 @@ as the owner, `gx_open` and `gx_only` in turn, round after round (`TIMING
 OFF`); prints the median and minimum execution time of each, then one plan of
 each with per-node timings.
 
+Then the same for a publish of 100 messages to `orders` (two groups: 100
+messages and 200 delivery rows, rolled back) as `gx_pub_open` (`--producer`)
+and `gx_pub_only` (`--producer --topic orders`).
+
     PYTHONPATH=. python scripts/explain_restricted_claim.py [ROUNDS]
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import re
 import statistics
@@ -27,13 +32,14 @@ from psycopg import sql
 
 import pgq
 from pgq.sql import claim as claim_sql
+from pgq.sql import publish as publish_sql
 from pgq.store import group_info, migrate
 from pgq.store.connections import driver_sql
 from pgq.store.privileges import grant
 
 DSN = os.environ.get("PGQ_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 SCHEMA = "grants_explain"
-ROLES = ("gx_open", "gx_only")
+ROLES = ("gx_open", "gx_only", "gx_pub_open", "gx_pub_only")
 
 
 def fresh_roles() -> None:
@@ -101,6 +107,29 @@ def main(rounds: int) -> None:
         plans[name] = explain(user, text, params, timing=True)[1]
     for name, took in times.items():
         print(f"=== {name}: median {statistics.median(took):.3f} ms, min {min(took):.3f} ms")
+    grant(owner, "gx_pub_open", "producer")
+    grant(owner, "gx_pub_only", "producer", topics=["orders"])
+    with owner.connect() as conn:
+        text, defaults = driver_sql(conn, publish_sql.publish_batch())
+    batch = json.dumps([{"n": i, "pad": "x" * 100} for i in range(100)])
+    params = {
+        **defaults,
+        "topic": "orders",
+        "payloads": batch,
+        "key": None,
+        "headers": None,
+        "delay": dt.timedelta(0),
+        "channel": publish_sql.notify_channel(SCHEMA),
+    }
+    publishers = {"publish as gx_pub_open": "gx_pub_open", "publish as gx_pub_only": "gx_pub_only"}
+    for _ in range(rounds):
+        for name, user in publishers.items():
+            times.setdefault(name, []).append(explain(user, text, params)[0])
+    for name, user in publishers.items():
+        plans[name] = explain(user, text, params, timing=True)[1]
+    for name, took in times.items():
+        if name.startswith("publish"):
+            print(f"=== {name}: median {statistics.median(took):.3f} ms, min {min(took):.3f} ms")
     for name, plan in plans.items():
         print(f"\n=== {name}\n{plan}")
     owner.dispose()
