@@ -15,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import psycopg
 import pytest
-from helpers import FAST, LONE_OUTAGE, invoke, wait_until
+from helpers import FAST, LONE_OUTAGE, PGQ, consumer_env, invoke, read_ids, wait_until
 from psycopg import sql
 from roles import login_role
 from sqlalchemy import Engine, func, select
@@ -291,6 +292,26 @@ def test_a_group_restricted_consumer_runs_a_whole_outage(orders, world, granted,
     }
     with orders.connect() as conn:
         assert conn.execute(select(func.count()).select_from(t.message)).scalar() == 16
+
+
+def test_pgq_consume_under_a_group_restricted_role(orders, world, granted, pgq_env, tmp_path):
+    """The command, as a subprocess: billing drains; shipping is an unknown group."""
+    role = granted("--consumer", "--group", "billing")
+    env = {**consumer_env(pgq_env, tmp_path), "PGQ_DSN": role.dsn, "PGQ_POLL_INTERVAL": "0.1"}
+
+    def consume(group: str) -> subprocess.CompletedProcess[str]:
+        args = ["consume", group, "--handler", "handlers:record", "--until-empty"]
+        return subprocess.run(
+            [*PGQ, *args], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+
+    drained = consume("billing")
+    assert drained.returncode == 0, drained.stderr
+    assert sorted(read_ids(tmp_path, "handled")) == world["ids"]
+    refused = consume("shipping")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.splitlines() == ["pgq: error: unknown group 'shipping'"]
+    assert pgq.status(orders, "shipping")["counts"]["dead"] == 3
 
 
 def test_a_topic_restricted_consumer_runs_retention(orders, world, granted):
