@@ -134,6 +134,9 @@ ATTACKS = {
     "DELETE FROM {s}.delivery WHERE group_id = {shipping}": "0 rows",  # a purge, unaudited
     "DELETE FROM {s}.delivery WHERE group_id = {hr} AND state = 'dead'": "0 rows",
     "UPDATE {s}.delivery SET state = 'ready', attempts = 0 WHERE group_id = {shipping}": "0 rows",
+    "UPDATE {s}.delivery SET group_id = {shipping} WHERE group_id = {billing}": (
+        "error: InsufficientPrivilege"  # its own rows, moved into another group
+    ),
     "INSERT INTO {s}.delivery (group_id, message_id) VALUES ({shipping}, {secret})": (
         "error: InsufficientPrivilege"  # WITH CHECK: new row violates row-level security
     ),
