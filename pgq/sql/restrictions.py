@@ -32,7 +32,7 @@ from functools import cache
 from typing import Any
 
 from psycopg import sql as psql
-from sqlalchemy import Text, any_, bindparam, column, func, literal, select, table
+from sqlalchemy import Boolean, Text, any_, bindparam, column, func, literal, select, table
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import Executable
 from sqlalchemy.sql.selectable import ScalarSelect
@@ -204,12 +204,20 @@ _classes = table(
     column("relname"),
     column("relnamespace"),
     column("relrowsecurity"),
+    column("relowner"),
     schema="pg_catalog",
 )
 _policies = table(
     "pg_policy", column("oid"), column("polname"), column("polrelid"), schema="pg_catalog"
 )
-_roles = table("pg_roles", column("oid"), column("rolname"), schema="pg_catalog")
+_roles = table(
+    "pg_roles",
+    column("oid"),
+    column("rolname"),
+    column("rolsuper", Boolean),
+    column("rolbypassrls", Boolean),
+    schema="pg_catalog",
+)
 
 
 def _in_schema() -> ScalarSelect[Any]:
@@ -224,6 +232,26 @@ def _in_schema() -> ScalarSelect[Any]:
 def role_oid() -> Executable:
     """The oid of role `:role` (its exact name)."""
     return select(_roles.c.oid).where(_roles.c.rolname == bindparam("role", type_=Text))
+
+
+@cache
+def bypasses() -> Executable:
+    """Does role `:role` bypass row-level security on the tables of schema `:schema`:
+    a superuser, a role with BYPASSRLS, or one with the privileges of a table's owner
+    (the owner, or a member of it)? Then no policy restricts it."""
+    c, r = _classes, _roles
+    owns = (
+        select(c.c.oid)
+        .where(
+            c.c.relnamespace == _in_schema(),
+            c.c.relname.in_(TABLES),
+            func.pg_has_role(r.c.oid, c.c.relowner, literal("USAGE", Text)),
+        )
+        .exists()
+    )
+    return select(r.c.rolsuper | r.c.rolbypassrls | owns).where(
+        r.c.rolname == bindparam("role", type_=Text)
+    )
 
 
 @cache

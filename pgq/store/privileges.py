@@ -182,6 +182,11 @@ def restriction_sql(
     mine = set(q.policy_names(oid))
     statements = q.drop_statements(schema, [p for p in comments if p in mine])
     if topics or groups:
+        if conn.execute(q.bypasses(), {"schema": schema, "role": role}).scalar_one():
+            raise UsageError(
+                f"role {role!r} bypasses row-level security (a superuser, BYPASSRLS, or"
+                " the tables' owner): --topic/--group cannot restrict it; nothing granted"
+            )
         topic_ids = _ids(conn, q.topics_named(), topics, UnknownTopic, "topic")
         found = conn.execute(q.groups_named(), {"names": list(groups)}).mappings().all()
         _all_known(groups, {row["name"] for row in found}, UnknownGroup, "group")

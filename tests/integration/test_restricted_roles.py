@@ -408,6 +408,26 @@ def test_grant_again_replaces_the_restriction_and_without_lifts_it(
     assert len(monitor.status_all(role.engine)["groups"]) == 3
 
 
+@pytest.mark.parametrize("power", ["SUPERUSER", "BYPASSRLS", "owner"])
+def test_a_role_that_bypasses_row_level_security_is_not_restricted(
+    orders, world, pg_dsn, schema, pgq_env, power
+):
+    """A restriction it would ignore is refused, not granted in silence."""
+    with login_role(pg_dsn) as (name, _):
+        with psycopg.connect(pg_dsn, autocommit=True) as conn:
+            who = sql.Identifier(name)
+            if power == "owner":  # a member of the owner has its privileges
+                owner = conn.execute("SELECT current_user").fetchone()
+                assert owner is not None
+                conn.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(owner[0]), who))
+            else:
+                conn.execute(sql.SQL("ALTER ROLE {} " + power).format(who))
+        result = invoke(pgq_env, "grant", name, "--consumer", "--group", "billing")
+        assert result.exit_code == 2, result.output
+        assert "bypasses row-level security" in result.output
+        assert policies_of(pg_dsn, schema, name) == []
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
