@@ -181,7 +181,10 @@ def restrict_statements(
             psql.Literal(fingerprint(topics, whole, groups)),
         )
     )
-    retained = _in("topic_id", whole) if whole else psql.SQL("false")
+    # `topic_id = ANY ('{}')` rather than `false` when no topic is given whole: the
+    # planner makes it an index condition that finds nothing at once, where a
+    # `false` security qual is a filter on every expired message retention reads
+    retained = _in("topic_id", whole)
     for policy, command in ((retain_policy(oid), "DELETE"), (lock_policy(oid), "UPDATE")):
         statements.append(
             psql.SQL("CREATE POLICY {} ON {} AS RESTRICTIVE FOR {} TO {} USING ({})").format(
