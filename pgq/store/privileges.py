@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from sqlalchemy import Connection, Engine
+from sqlalchemy.sql import Executable
 
 from pgq.errors import PermissionDenied, SchemaMissing, UnknownGroup, UnknownTopic, UsageError
 from pgq.names import check_name
@@ -203,9 +204,10 @@ def restriction_sql(
 
 
 def _ids(
-    conn: Connection, query: object, names: Sequence[str], error: type[UsageError], kind: str
+    conn: Connection, query: Executable, names: Sequence[str], error: type[UsageError], kind: str
 ) -> list[int]:
-    rows = conn.execute(query, {"names": list(names)}).all()  # type: ignore[call-overload]
+    """The ids of `names` by `query` (id, name); `error` names the first unknown one."""
+    rows = conn.execute(query, {"names": list(names)}).all()
     _all_known(names, {str(name) for _, name in rows}, error, kind)
     return [int(i) for i, _ in rows]
 
