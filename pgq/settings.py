@@ -21,6 +21,12 @@ follows the handlers' pace, from 2 × `workers` up to 4 × `batch_size`) and `"a
 `True` is not an integer. Constructing `Settings(...)` directly takes typed values
 only; parsing strings is the loaders' job.
 
+Every duration has a lower bound (`minimum` in its field's metadata, listed in
+docs/configuration.md): below it a setting defeats its own purpose (a lease of 10 ms
+expires before its first extension and a lone member re-runs its own rows; a poll
+interval of 1 ms is a busy loop on the database), so it is a configuration error,
+not a value to clamp silently.
+
 Every value given is checked on its own, even when a higher layer overrides it, and
 the final combination is checked as a whole (`breaker_min_calls <= breaker_window`,
 each `*_max` at least its base, `breaker_member_ttl > breaker_heartbeat`,
@@ -71,6 +77,7 @@ __all__ = [
     "RESERVED_ENV_VARS",
     "Settings",
     "load_settings",
+    "minimum_text",
     "parse_duration",
     "settings_from_kwargs",
 ]
@@ -109,8 +116,8 @@ AUTO = "auto"
 """The `prefetch` value for a fixed bound of 2 × `workers`."""
 
 
-def _setting(default: object, kind: str) -> Any:
-    return field(default=default, metadata={"kind": kind})
+def _setting(default: object, kind: str, *, minimum: float | None = None) -> Any:
+    return field(default=default, metadata={"kind": kind, "minimum": minimum})
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,27 +133,27 @@ class Settings:
     """Worker threads running the handler."""
     batch_size: int = _setting(100, _COUNT)
     """Most rows one claim statement takes."""
-    lease: float = _setting(30.0, _DURATION)
+    lease: float = _setting(30.0, _DURATION, minimum=1.0)
     """Seconds a claimed row stays ours; extended by the heartbeat thread while it runs."""
     max_attempts: int = _setting(5, _COUNT)
     """Finished attempts after which a failing message is dead."""
     max_reclaims: int = _setting(3, _COUNT0)
     """Reclaims after lost leases past which a row is dead."""
-    retry_backoff: float = _setting(1.0, _DURATION)
+    retry_backoff: float = _setting(1.0, _DURATION, minimum=0.01)
     """Backoff before the second attempt; doubles per attempt, with jitter."""
-    retry_backoff_max: float = _setting(300.0, _DURATION)
+    retry_backoff_max: float = _setting(300.0, _DURATION, minimum=0.01)
     """Cap on the retry backoff."""
-    poll_interval: float = _setting(1.0, _DURATION)
+    poll_interval: float = _setting(1.0, _DURATION, minimum=0.05)
     """Idle fetchers poll this often when no NOTIFY arrives."""
-    shutdown_grace: float = _setting(30.0, _DURATION)
+    shutdown_grace: float = _setting(30.0, _DURATION, minimum=0.1)
     """On shutdown, how long running handlers may take to finish."""
     prefetch: int | str | None = _setting(ADAPTIVE, _PREFETCH)
     """Most unstarted rows held in the buffered-claim pool: "adaptive" (the default)
     follows the handlers' pace (2 × workers up to 4 × batch_size, decision 0019); a
     number is an exact bound; "auto" (or None) means 2 × workers."""
-    handler_timeout: float = _setting(300.0, _DURATION)
+    handler_timeout: float = _setting(300.0, _DURATION, minimum=0.1)
     """A handler running longer fails as systemic (TimeoutError)."""
-    retention: float = _setting(604800.0, _DURATION)
+    retention: float = _setting(604800.0, _DURATION, minimum=60.0)
     """Messages done in every group are deleted after this age (7 days)."""
     breaker_window: int = _setting(20, _COUNT)
     """Local breaker: finished attempts in the sliding window."""
@@ -154,23 +161,23 @@ class Settings:
     """Local breaker: attempts needed in the window before it can trip."""
     breaker_failure_rate: float = _setting(0.5, _FRACTION)
     """Local breaker: systemic share of the window that trips it."""
-    breaker_open_for: float = _setting(5.0, _DURATION)
+    breaker_open_for: float = _setting(5.0, _DURATION, minimum=0.1)
     """Local breaker: wait before its own probe; doubles while probes fail."""
-    breaker_open_for_max: float = _setting(300.0, _DURATION)
+    breaker_open_for_max: float = _setting(300.0, _DURATION, minimum=0.1)
     """Local breaker: cap on that wait."""
-    breaker_heartbeat: float = _setting(2.0, _DURATION)
+    breaker_heartbeat: float = _setting(2.0, _DURATION, minimum=0.1)
     """Members heartbeat their local state this often."""
-    breaker_member_ttl: float = _setting(10.0, _DURATION)
+    breaker_member_ttl: float = _setting(10.0, _DURATION, minimum=0.5)
     """A member is live while its last heartbeat is younger than this."""
-    breaker_member_retention: float = _setting(86400.0, _DURATION)
+    breaker_member_retention: float = _setting(86400.0, _DURATION, minimum=0.5)
     """Members that left or died are forgotten (their rows deleted) this long after (1 day)."""
     breaker_quorum: float = _setting(0.5, _FRACTION)
     """Share of live members whose local trips open the group."""
     breaker_min_members: int = _setting(2, _COUNT)
     """Fewest tripped live members that open the group; 1 for a single consumer."""
-    breaker_probe_interval: float = _setting(5.0, _DURATION)
+    breaker_probe_interval: float = _setting(5.0, _DURATION, minimum=0.1)
     """Wait between group probes while the group is open; doubles while they fail."""
-    breaker_probe_interval_max: float = _setting(300.0, _DURATION)
+    breaker_probe_interval_max: float = _setting(300.0, _DURATION, minimum=0.1)
     """Cap on the wait between group probes."""
     breaker_max_refunds: int = _setting(3, _COUNT0)
     """Refunds after which a row stays dead (refund cap)."""
@@ -316,11 +323,17 @@ def _check_value(name: str, value: object, origin: _Origin) -> Any:
     if kind == _FRACTION:
         if not 0.0 < number <= 1.0:
             raise _invalid(origin, "must be in (0, 1]")
-    elif not number > 0.0:
-        raise _invalid(origin, "must be > 0")
+    elif not number >= _FIELDS[name].metadata["minimum"]:
+        raise _invalid(origin, f"must be at least {minimum_text(name)}")
     elif not number <= MAX_DURATION:  # also NaN and infinity
         raise _invalid(origin, f"must be at most {MAX_DURATION:.0f} seconds (10 years)")
     return number
+
+
+def minimum_text(name: str) -> str:
+    """A duration setting's lower bound in words: `'1 second'`, `'0.05 seconds'`."""
+    minimum = _FIELDS[name].metadata["minimum"]
+    return "1 second" if minimum == 1 else f"{minimum:g} seconds"
 
 
 def _parse(name: str, raw: object, origin: _Origin) -> Any:

@@ -39,7 +39,10 @@ the CLI only), or a keyword argument of `pgq.Consumer` (or a `pgq consume`
 option). A bad value, an unknown key or an unknown `PGQ_*` variable stops pgq
 with one line naming the key, the value and where it came from. A duration is
 seconds (int or float) or a string such as `90s`, `5m`, `12h`, `7d`, `1h30m`,
-`250ms`. `conf/pgq.toml` is an example file.
+`250ms`; each duration has a lower bound, below which it would defeat its own
+purpose (a lease that expires before its first extension, a poll interval that is
+a busy loop), and a value under it is a configuration error.
+`conf/pgq.toml` is an example file.
 
 | TOML | environment | keyword | default | value | what it does |
 | --- | --- | --- | --- | --- | --- |
@@ -82,6 +85,8 @@ def render() -> str:
         if not doc:
             raise SystemExit(f"setting {f.name} has no docstring in pgq/settings.py")
         kind = KINDS[f.metadata["kind"]]
+        if f.metadata.get("minimum") is not None:
+            kind = f"{kind} ≥ {settings.minimum_text(f.name)}"
         rows.append(f"| `{toml}` | `{env}` | `{f.name}` | {_default(f.default)} | {kind} | {doc} |")
     return HEADER + "\n".join(rows) + "\n"
 

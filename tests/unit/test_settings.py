@@ -260,7 +260,66 @@ def test_error_message_shape(tmp_path: Path) -> None:
         "invalid value for PGQ_WORKERS in the environment: 'abc' (must be an integer)"
     )
     assert config_error(env={}, overrides={"lease": 0}) == (
-        "invalid value for lease in arguments: 0 (must be > 0)"
+        "invalid value for lease in arguments: 0 (must be at least 1 second)"
+    )
+
+
+# The lower bound of every duration (docs/configuration.md lists them): below it a
+# setting defeats its own purpose.
+DURATION_MINIMA = {
+    "lease": 1.0,
+    "retry_backoff": 0.01,
+    "retry_backoff_max": 0.01,
+    "poll_interval": 0.05,
+    "shutdown_grace": 0.1,
+    "handler_timeout": 0.1,
+    "retention": 60.0,
+    "breaker_open_for": 0.1,
+    "breaker_open_for_max": 0.1,
+    "breaker_heartbeat": 0.1,
+    "breaker_member_ttl": 0.5,
+    "breaker_member_retention": 0.5,
+    "breaker_probe_interval": 0.1,
+    "breaker_probe_interval_max": 0.1,
+}
+
+
+def test_every_duration_has_a_lower_bound() -> None:
+    durations = [f.name for f in dataclasses.fields(Settings) if f.metadata["kind"] == "duration"]
+    assert sorted(durations) == sorted(DURATION_MINIMA)
+
+
+def _fits(name: str, value: float) -> dict[str, float]:
+    """`name=value` with the settings it is related to moved out of its way."""
+    kwargs = {name: value}
+    if name == "breaker_member_ttl":
+        kwargs["breaker_heartbeat"] = 0.1
+    if name == "breaker_member_retention":
+        kwargs |= {"breaker_member_ttl": 0.5, "breaker_heartbeat": 0.1}
+    for base in ("retry_backoff", "breaker_open_for", "breaker_probe_interval"):
+        if name == f"{base}_max":
+            kwargs[base] = DURATION_MINIMA[base]
+    return kwargs
+
+
+@pytest.mark.parametrize(("name", "minimum"), DURATION_MINIMA.items())
+def test_a_duration_below_its_bound_is_a_config_error(name: str, minimum: float) -> None:
+    """Reported: `lease = 0.01` was accepted, and a lone member re-ran its own rows."""
+    assert Settings(**_fits(name, minimum)).as_dict()[name] == minimum
+    below = minimum * 0.9
+    words = "1 second" if minimum == 1 else f"{minimum:g} seconds"
+    assert config_error(env={}, overrides=_fits(name, below)) == (
+        f"invalid value for {name} in arguments: {below!r} (must be at least {words})"
+    )
+
+
+def test_the_reported_lease_is_refused_from_every_layer(tmp_path: Path) -> None:
+    path = write(tmp_path, "[consumer]\nlease = 0.01\n")
+    assert config_error(config_file=path, env={}) == (
+        f"invalid value for consumer.lease in {path}: 0.01 (must be at least 1 second)"
+    )
+    assert config_error(env={"PGQ_LEASE": "10ms"}) == (
+        "invalid value for PGQ_LEASE in the environment: '10ms' (must be at least 1 second)"
     )
 
 
