@@ -58,6 +58,7 @@ import difflib
 import math
 import os
 import re
+import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -401,13 +402,28 @@ def _check_relations(values: Mapping[str, Any], origins: Mapping[str, _Origin]) 
 # --- loading ------------------------------------------------------------------
 
 
+MAX_CONFIG_BYTES = 1024 * 1024
+"""The largest config file pgq reads (1 MiB; a real one is a few hundred bytes)."""
+
+
 def _read_file(path: str) -> dict[str, Any]:
+    """The TOML tables of a config file: a regular file of at most `MAX_CONFIG_BYTES`.
+
+    Opened without blocking and checked before it is read, so `/dev/zero` (which
+    grew pgq to 4 GB in seconds), a FIFO with no writer or a huge file is one
+    `ConfigError`, in no time and no memory.
+    """
     try:
-        with open(path, "rb") as fp:
-            data = fp.read()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as fp:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError(f"cannot read config file {path}: not a regular file")
+            data = fp.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         reason = exc.strerror or exc.__class__.__name__
         raise ConfigError(f"cannot read config file {path}: {reason}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"cannot read config file {path}: larger than 1 MiB")
     try:
         return tomllib.loads(data.decode("utf-8"))
     except UnicodeDecodeError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from pgq.errors import ConfigError
 from pgq.settings import (
     DEFAULTS,
+    MAX_CONFIG_BYTES,
     RESERVED_ENV_VARS,
     Settings,
     load_settings,
@@ -538,6 +540,33 @@ def test_missing_file(tmp_path: Path) -> None:
 
 def test_directory_instead_of_file(tmp_path: Path) -> None:
     assert str(tmp_path) in config_error(config_file=tmp_path, env={})
+
+
+@pytest.mark.timeout(10)
+def test_a_device_or_a_fifo_is_not_read(tmp_path: Path) -> None:
+    """Reported: `--config /dev/zero` grew pgq to 4 GB in 6 s. A FIFO with no writer
+    would block forever."""
+    assert config_error(config_file="/dev/zero", env={}) == (
+        "cannot read config file /dev/zero: not a regular file"
+    )
+    fifo = tmp_path / "pgq.toml"
+    os.mkfifo(fifo)
+    assert config_error(config_file=fifo, env={}) == (
+        f"cannot read config file {fifo}: not a regular file"
+    )
+
+
+def test_a_config_file_over_one_mebibyte_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "pgq.toml"
+    line = b"# " + b"x" * 1021 + b"\n"  # 1 KiB
+    path.write_bytes(b"[consumer]\nworkers = 3\n" + line * 1022)
+    assert path.stat().st_size <= MAX_CONFIG_BYTES
+    assert load_settings(path, env={}).workers == 3
+    path.write_bytes(line * 1024 + b"#")
+    assert path.stat().st_size == MAX_CONFIG_BYTES + 1
+    assert config_error(config_file=path, env={}) == (
+        f"cannot read config file {path}: larger than 1 MiB"
+    )
 
 
 def test_invalid_toml(tmp_path: Path) -> None:
