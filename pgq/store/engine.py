@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import psycopg
-from sqlalchemy import Connection, Engine, create_engine
+from sqlalchemy import Connection, Dialect, Engine, create_engine
 from sqlalchemy.pool import NullPool
 
 from pgq.errors import BadDsn, ConfigError
@@ -49,14 +50,109 @@ def resolve_schema(schema: str | None = None) -> str:
 
 
 def check_dsn(dsn: str) -> None:
-    """Raise `BadDsn` with one line if `dsn` is not a libpq URL or key=value string."""
+    """Raise `BadDsn` with one line if `dsn` is not a libpq URL or key=value string,
+    or is a URL whose user name or password libpq would read differently than it
+    was written (`_misread_userinfo`)."""
     try:
         psycopg.conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
         # libpq quotes the address (or the part it could not read, a password
         # say): never repeat what is quoted
-        reason = re.sub(r'"[^"]*"', '"…"', first_line(exc))
-        raise BadDsn(f"invalid database address: {reason}") from None
+        raise BadDsn(f"invalid database address: {redact_quoted(first_line(exc))}") from None
+    if _misread_userinfo(dsn):
+        raise BadDsn(
+            "invalid database address: an '@' or '/' in a URL's user name or password"
+            " must be percent-encoded (%40, %2F); or give the password in PGPASSWORD,"
+            " ~/.pgpass or a service file"
+        )
+
+
+_URL_SCHEMES = ("postgresql://", "postgres://")
+_SAFE_VALUE = re.compile(r"[A-Za-z0-9._:,/\[\]%+-]{1,200}", re.ASCII)
+
+
+def _misread_userinfo(dsn: str) -> bool:
+    """Whether `dsn` is a URL with a raw `@` that libpq does not take as the end of
+    the user name and password.
+
+    libpq ends the userinfo at the first `@` before any `/`: in
+    `postgresql://u:p@ss@host/db` the password is `p` and the host `ss@host`, so
+    every error about that "host" printed part of the password (issue 21); with a
+    `/` in the password (`u:p/ss@host`) there is no userinfo at all and the user
+    and password become the host and port. Either way a raw `@` is left after
+    the userinfo, before the query string.
+    """
+    scheme = next((p for p in _URL_SCHEMES if dsn.startswith(p)), None)
+    if scheme is None:
+        return False
+    rest = dsn[len(scheme) :]
+    at, slash = rest.find("@"), rest.find("/")
+    if at != -1 and (slash == -1 or at < slash):
+        rest = rest[at + 1 :]
+    return "@" in rest.partition("?")[0]
+
+
+def describe_dsn(params: str | Mapping[str, Any]) -> str:
+    """What pgq may say about a database address: its host, hostaddr, port and
+    dbname as libpq parsed them (`host=db1 port=5432 dbname=app`), never the user
+    name, the password or any other option.
+
+    A value with characters outside a plain host, port or name (`…`) is not
+    shown. `check_dsn` refuses a URL whose userinfo libpq would misread, so the
+    host shown is never part of a password. `params` is a connection string or
+    libpq's parsed keywords; an address libpq cannot parse describes as `""`.
+    """
+    if isinstance(params, str):
+        try:
+            params = psycopg.conninfo.conninfo_to_dict(params)
+        except psycopg.ProgrammingError:
+            return ""
+    parts = []
+    for key in ("host", "hostaddr", "port", "dbname"):
+        value = params.get(key)
+        if value is None or value == "":
+            continue
+        text = str(value)
+        parts.append(f"{key}={text if _SAFE_VALUE.fullmatch(text) else '…'}")
+    return " ".join(parts)
+
+
+def redact_quoted(text: str) -> str:
+    """`text` with every double-quoted part replaced by `…`: libpq quotes what it
+    could not parse (a password, say) in its error messages."""
+    return re.sub(r'"[^"]*"', '"…"', text)
+
+
+def connect_failure(exc: BaseException, params: Mapping[str, Any]) -> str:
+    """A driver's connection error as pgq may print it: its first line, then the
+    address as `describe_dsn` renders it, with the DSN's user name (the server
+    quotes it: `role "..." does not exist`) and password nowhere in it."""
+    where = describe_dsn(params)
+    text = first_line(exc) + (f" ({where})" if where else "")
+    for secret in (params.get("user"), params.get("password")):
+        if secret:  # as a quoted value only: a bare `x` is also in "exist"
+            text = text.replace(f'"{secret}"', '"…"').replace(f"'{secret}'", "'…'")
+    return text
+
+
+def _connecting_safely(dialect: Dialect) -> None:
+    """Make every connection error of `dialect` carry `connect_failure`'s text.
+
+    It wraps the dialect's own `connect`, which SQLAlchemy calls after every
+    `do_connect` listener (so a listener that supplies a password still runs); the
+    error keeps its class, and nothing chains the original text, so no log line
+    or traceback can print it.
+    """
+    connect = dialect.connect
+
+    def connect_safely(*cargs: Any, **cparams: Any) -> Any:
+        try:
+            return connect(*cargs, **cparams)
+        except psycopg.Error as exc:
+            safe = type(exc)(connect_failure(exc, cparams))
+        raise safe
+
+    setattr(dialect, "connect", connect_safely)  # noqa: B010 - mypy: a method
 
 
 def connect(
@@ -97,6 +193,7 @@ def connect(
         **engine_kwargs.pop("connect_args", {}),
     }
     engine = create_engine("postgresql+psycopg://", connect_args=driver_args, **engine_kwargs)
+    _connecting_safely(engine.dialect)
     return engine.execution_options(
         schema_translate_map={SCHEMA_PLACEHOLDER: name},
         pgq_conninfo=conninfo,

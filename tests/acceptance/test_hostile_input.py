@@ -7,13 +7,15 @@ signal or process matters) and bounds it in time.
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+import socket
 import subprocess
 import time
 
 import pytest
-from helpers import PGQ, assert_usage_error, invoke
+from helpers import PGQ, assert_usage_error, consumer_env, finish, invoke, spawn_pgq
 
 
 @pytest.mark.parametrize(
@@ -65,3 +67,89 @@ def test_a_config_file_that_never_ends_is_one_line_and_exit_2(pgq_env, tmp_path,
     assert time.monotonic() - started < 10
     reason = "larger than 1 MiB" if kind == "big" else "not a regular file"
     assert_usage_error(done.returncode, done.stderr, contains=f"{path}: {reason}")
+
+
+# -- secrets in the DSN --------------------------------------------------------------
+
+
+def _dead_port() -> int:
+    """A local port where nothing listens (bound, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+# (DSN with {port}, the secrets in it, whether libpq can read it as written)
+HOSTILE_DSNS = [
+    ("postgresql://pgq:s3cr@t-ONE@127.0.0.1:{port}/db", ["s3cr", "t-ONE"], False),
+    ("postgresql://us@er-TWO:pw-TWO@127.0.0.1:{port}/db", ["er-TWO", "pw-TWO"], False),
+    ("postgresql://pgq:pw/FIVE@127.0.0.1:{port}/db", ["FIVE"], False),
+    ("host=127.0.0.1 port={port} user=pgq password=pw-THREE dbname=db", ["pw-THREE"], True),
+    ("postgresql://pgq:pw%40FOUR@127.0.0.1:{port}/db", ["pw@FOUR", "pw%40FOUR", "FOUR"], True),
+    ("postgresql://127.0.0.1:{port}/db?user=pgq&password=pw-SIX", ["pw-SIX"], True),
+]
+
+
+def _assert_no_secret(secrets: list[str], text: str) -> None:
+    for secret in secrets:
+        assert secret not in text, text
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+@pytest.mark.parametrize(("dsn", "secrets", "readable"), HOSTILE_DSNS)
+def test_status_and_check_never_print_the_secrets_of_a_dsn(
+    pgq_env, dsn, secrets, readable, log_format
+):
+    """Reported: with a raw `@` in the password, `pgq status` and `pgq check` printed the
+    part after it as the "host"."""
+    dsn = dsn.format(port=_dead_port())
+    status = invoke(pgq_env, "--log-format", log_format, "--dsn", dsn, "status")
+    assert status.exit_code == 2, status.output
+    _assert_no_secret(secrets, status.output)
+    check = invoke(pgq_env, "--log-format", log_format, "--dsn", dsn, "check", "billing")
+    assert check.exit_code == 3, check.output
+    assert check.output.startswith("UNKNOWN: ")
+    _assert_no_secret(secrets, check.output)
+    for output in (status.output, check.output):
+        if readable:  # the address is described, as libpq read it
+            assert "host=127.0.0.1" in output
+        else:
+            assert "must be percent-encoded" in output
+
+
+@pytest.mark.parametrize(("dsn", "secrets", "readable"), HOSTILE_DSNS)
+def test_consume_retries_never_print_the_secrets_of_a_dsn(
+    pgq_env, tmp_path, dsn, secrets, readable
+):
+    """Reported: every retry warning of `consume --until-empty` printed them too, in text
+    and JSON logs."""
+    port = _dead_port()
+    env = consumer_env(pgq_env, tmp_path, PGQ_LEASE="1")
+    procs = {
+        log_format: spawn_pgq(
+            env,
+            "--log-format",
+            log_format,
+            "--dsn",
+            dsn.format(port=port),
+            "consume",
+            "billing",
+            "--handler",
+            "handlers:record",
+            "--until-empty",
+        )
+        for log_format in ("text", "json")
+    }
+    for log_format, proc in procs.items():
+        code, out, err = finish(proc, timeout=30)
+        _assert_no_secret(secrets, out + err)
+        if readable:  # it tried for `lease` seconds, warning at each retry, and gave up
+            assert code == 75, err
+            retries = [line for line in err.splitlines() if "retrying" in line]
+            assert retries, err
+            assert all("host=127.0.0.1" in line for line in retries), err
+            if log_format == "json":
+                assert all(json.loads(line)["level"] == "WARNING" for line in retries)
+        else:
+            assert_usage_error(code, err, contains="must be percent-encoded")

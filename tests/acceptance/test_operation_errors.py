@@ -171,8 +171,10 @@ def test_a_missing_role_is_exit_2_at_once(orders, pgq_env, tmp_path, pg_dsn, fla
     nobody = f"pgq_nobody_{uuid.uuid4().hex[:8]}"
     dsn = psycopg.conninfo.make_conninfo(pg_dsn, user=nobody, password="x")
     line = refused_at_once(consumer_env(pgq_env, tmp_path), dsn, *flags)
-    # a server that asks for a password does not say whether the role exists
-    assert f'role "{nobody}" does not exist' in line or "password authentication failed" in line
+    # a server that asks for a password does not say whether the role exists; the
+    # role is the DSN's user name, which pgq never prints (issue 21)
+    assert 'role "…" does not exist' in line or "password authentication failed" in line
+    assert nobody not in line
 
 
 @BOTH_MODES
@@ -258,7 +260,7 @@ def protected(password_server: str, schema: str) -> str:
 @pytest.mark.parametrize(
     ("password", "words"),
     [
-        ("wrong-password", 'password authentication failed for user "postgres"'),
+        ("wrong-password", 'password authentication failed for user "…"'),
         (None, "no password supplied"),
     ],
     ids=["wrong", "none"],
