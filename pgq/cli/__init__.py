@@ -1,5 +1,8 @@
 """The `pgq` command: a thin click layer over pgq's plain functions.
 
+- `startup`: stop signals before a command has handlers of its own;
+- `commands`: registers every command on the root group (the only place that
+  knows them all);
 - `base`: the root group and its global options, `State`, the error-to-exit-code
   mapping (`pgq: error: ...` and exit 2; `UNKNOWN` and exit 3 for `check`),
   logging setup, DSN handling, `--json` and `emit`;
@@ -13,43 +16,40 @@
 - `demo`: `demo`, whose narration it prints;
 - `web`: `web`, the dashboard (`pgq.web`, the `web` extra).
 
-Command modules import `base` (and `render`); nothing imports them but this
-module, which registers their commands on the root group: the only place that
-knows every command.
+This package imports nothing heavy at the top: `main` holds the stop signals
+first, then imports the commands (SQLAlchemy, psycopg, ...); `cli` is imported
+on first use.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from pgq.cli import admin, consume, demo, grant, inspect, server, setup, web
-from pgq.cli.base import cli
+from pgq.cli import startup
+
+if TYPE_CHECKING:
+    from pgq.cli.commands import cli
 
 __all__ = ["cli", "main"]
 
-for _command in (
-    setup.init,
-    setup.topic,
-    setup.subscribe,
-    setup.publish,
-    inspect.status,
-    inspect.members,
-    inspect.breaker,
-    inspect.dead,
-    inspect.check,
-    admin.show_command,
-    admin.requeue_command,
-    admin.purge_command,
-    admin.audit_command,
-    grant.grant_command,
-    consume.consume,
-    server.server,
-    demo.demo,
-    web.web,
-):
-    cli.add_command(_command)
+
+def __getattr__(name: str) -> Any:
+    if name == "cli":
+        from pgq.cli.commands import cli
+
+        return cli
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """The console entry point."""
-    cli.main(args=list(argv) if argv is not None else None, prog_name="pgq")
+    startup.hold()
+    try:
+        from pgq.cli.commands import cli
+
+        cli.main(args=list(argv) if argv is not None else None, prog_name="pgq")
+    except startup.Stopped as stop:
+        sys.stderr.write(stop.line + "\n")
+        sys.exit(stop.exit_code)

@@ -37,6 +37,7 @@ from typing import IO, Any, TypeVar
 import click
 from sqlalchemy import Engine
 
+from pgq.cli import startup
 from pgq.cli.logs import FORMATS, configure_logging, report, use_format
 from pgq.errors import (
     DatabaseUnavailable,
@@ -340,6 +341,7 @@ def cli(
     log_format: str,
 ) -> None:
     """pgq: a PostgreSQL message queue whose consumer groups share a circuit breaker."""
+    startup.command_began()
     configure_logging(verbose, log_level, log_format.lower())
     state = State(
         dsn=dsn or None,

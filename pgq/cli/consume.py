@@ -2,7 +2,7 @@
 
 Exit codes (DESIGN §7): 0 when it finished what it was asked (drained with
 `--until-empty`, reached a limit, or stopped by SIGTERM/SIGINT after a clean
-shutdown); 75 when `--until-empty` stopped because a breaker is open (or the
+shutdown; SIGHUP too); 75 when `--until-empty` stopped because a breaker is open (or the
 database could not be reached within `lease` seconds); 2 on bad usage or
 configuration, a refused login or a missing database included (at once, never
 retried); 1 otherwise (a second signal, handlers that overran the grace).
@@ -24,6 +24,7 @@ from types import FrameType
 
 import click
 
+from pgq.cli import startup
 from pgq.cli.base import State, pass_state
 from pgq.cli.logs import report
 from pgq.consumer import Consumer
@@ -54,7 +55,10 @@ def _duration(value: str | None, flag: str, *, zero: bool = False) -> float | No
 
 
 def install_signal_handlers(consumer: Consumer) -> None:
-    """First SIGTERM/SIGINT: graceful stop. Second: release what we can, exit 1."""
+    """First SIGTERM/SIGINT/SIGHUP: graceful stop. Second: release what we can, exit 1.
+
+    They replace `startup.hold`'s, which stopped the process before anything was
+    claimed; SIGHUP (a closed terminal, a service manager) stops like SIGTERM."""
     count = 0
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -70,8 +74,8 @@ def install_signal_handlers(consumer: Consumer) -> None:
         consumer.abort()
         os._exit(1)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for s in startup.STOP_SIGNALS:
+        signal.signal(s, on_signal)
 
 
 @click.command()
@@ -116,6 +120,7 @@ def consume(
     config_file: str | None,
 ) -> None:
     """Run a member of GROUP, calling the handler for each message."""
+    startup.stop_is_clean()  # until its own handlers are in, a stop claimed nothing
     runtime = _duration(max_runtime, "--max-runtime")
     retries = _duration(wait_retries, "--wait-retries", zero=True) or 0.0
     if wait_retries is not None and not until_empty:

@@ -10,12 +10,26 @@ from __future__ import annotations
 import json
 import os
 import resource
+import signal
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
-from helpers import PGQ, assert_usage_error, consumer_env, finish, invoke, spawn_pgq
+from helpers import (
+    PGQ,
+    assert_usage_error,
+    consumer_env,
+    finish,
+    invoke,
+    read_ids,
+    rows,
+    spawn_pgq,
+    wait_until,
+)
+
+import pgq
 
 
 @pytest.mark.parametrize(
@@ -153,3 +167,75 @@ def test_consume_retries_never_print_the_secrets_of_a_dsn(
                 assert all(json.loads(line)["level"] == "WARNING" for line in retries)
         else:
             assert_usage_error(code, err, contains="must be percent-encoded")
+
+
+# -- signals at any moment ---------------------------------------------------------------
+
+CONSUME_ENV = {
+    "PGQ_LEASE": "30",
+    "PGQ_SHUTDOWN_GRACE": "10",
+    "PGQ_BREAKER_HEARTBEAT": "0.2",
+    "PGQ_BREAKER_MEMBER_TTL": "1.0",
+    "PGQ_POLL_INTERVAL": "0.1",
+}
+
+
+def test_sighup_stops_consume_like_sigterm(orders, pgq_env, tmp_path, procs):
+    """Reported: SIGHUP killed `pgq consume` (exit 129) and its leases had to expire."""
+    pgq.publish_many(orders, "orders", [{"n": i} for i in range(20)])
+    env = consumer_env(pgq_env, tmp_path, TESTQ_TAG="a", **CONSUME_ENV)
+    a = spawn_pgq(env, "consume", "billing", "--handler", "handlers:gated", "--workers", "2")
+    procs.append(a)
+    wait_until(lambda: len(read_ids(tmp_path, "started")) == 2, 15, "two handlers running")
+    leased = lambda: [m for m, r in rows(orders, "billing").items() if r.state == "leased"]  # noqa: E731
+    wait_until(lambda: len(leased()) > 2, 10, "rows buffered besides the running two")
+
+    a.send_signal(signal.SIGHUP)
+    wait_until(lambda: len(leased()) == 2, 5, "the unstarted rows released at once")
+    (tmp_path / "go").touch()
+    code, _, stderr = finish(a, 20)
+    assert code == 0, stderr
+    assert "stop_reason=signal" in stderr
+    assert leased() == []
+    assert len(read_ids(tmp_path, "handled")) == 2
+
+
+def _importing(pid: int) -> bool:
+    """Whether process `pid` has started loading SQLAlchemy's compiled modules (the
+    heavy imports every `pgq` command runs before its own code)."""
+    try:
+        return "sqlalchemy" in Path(f"/proc/{pid}/maps").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True  # it is gone: let the test look at how it ended
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_stop_during_start_up_is_one_line_and_exit_0(orders, pgq_env, tmp_path, procs, signum):
+    """Known weak spot: SIGTERM while `pgq consume` was still importing ended it with
+    -15 (SIGINT: a traceback), as its handlers came after the heavy imports."""
+    env = consumer_env(pgq_env, tmp_path, **CONSUME_ENV)
+    proc = spawn_pgq(env, "consume", "billing", "--handler", "handlers:record", "--until-empty")
+    procs.append(proc)
+    wait_until(lambda: _importing(proc.pid), 15, "the imports to begin", interval=0.001)
+    proc.send_signal(signum)
+    code, stdout, stderr = finish(proc, 15)
+    assert (code, stdout) == (0, ""), stderr
+    assert stderr == f"pgq: stopped by {signal.Signals(signum).name}\n"
+
+
+def test_a_stop_that_cuts_a_command_short_is_one_line_and_exit_1(pgq_env, procs):
+    """Any other command stopped halfway (here waiting for a server that never answers)
+    ends with one line and exit 1: it did not do what it was asked."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(1)
+        dsn = f"postgresql://pgq@127.0.0.1:{silent.getsockname()[1]}/db?connect_timeout=30"
+        proc = spawn_pgq(pgq_env, "--dsn", dsn, "status")
+        procs.append(proc)
+        silent.settimeout(15)
+        conn, _ = silent.accept()  # it is in the command, connecting
+        with conn:
+            proc.send_signal(signal.SIGTERM)
+            code, stdout, stderr = finish(proc, 15)
+    assert (code, stdout, stderr) == (1, "", "pgq: stopped by SIGTERM\n")
