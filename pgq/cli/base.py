@@ -27,6 +27,7 @@ import contextlib
 import functools
 import importlib
 import json
+import logging
 import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -49,7 +50,7 @@ from pgq.errors import (
 from pgq.monitor import CHECK_EXIT_CODES
 from pgq.read_models import json_default
 from pgq.settings import Settings, load_settings
-from pgq.store import connect, with_connect_timeout
+from pgq.store import connect, has_password, with_connect_timeout
 
 __all__ = [
     "CONNECT_TIMEOUT",
@@ -343,6 +344,7 @@ def cli(
     """pgq: a PostgreSQL message queue whose consumer groups share a circuit breaker."""
     startup.command_began()
     configure_logging(verbose, log_level, log_format.lower())
+    warn_visible_password(ctx, "dsn", "session_dsn")
     state = State(
         dsn=dsn or None,
         session_dsn=session_dsn or None,
@@ -351,6 +353,25 @@ def cli(
     )
     ctx.obj = state
     ctx.call_on_close(state.close)
+
+
+def warn_visible_password(ctx: click.Context, *names: str) -> None:
+    """One warning when a DSN given as a flag (not its environment variable) holds a
+    password: every user of the machine can read a command line (`ps`), and Python
+    cannot hide its own (decision 0036)."""
+    flags = [
+        "--" + name.replace("_", "-")
+        for name in names
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE
+        and has_password(ctx.params.get(name) or "")
+    ]
+    if flags:
+        logging.getLogger("pgq.cli").warning(
+            "password on the command line flag=%s: every user of this machine can read it"
+            " (ps); give the DSN in PGQ_DSN, the password in PGPASSWORD, ~/.pgpass or a"
+            " service file",
+            ",".join(flags),
+        )
 
 
 def web_extra() -> ModuleType:

@@ -92,6 +92,14 @@ def _misread_userinfo(dsn: str) -> bool:
     return "@" in rest.partition("?")[0]
 
 
+def has_password(dsn: str) -> bool:
+    """Whether `dsn` carries a password (False for an address libpq cannot parse)."""
+    try:
+        return bool(psycopg.conninfo.conninfo_to_dict(dsn).get("password"))
+    except psycopg.ProgrammingError:
+        return False
+
+
 def describe_dsn(params: str | Mapping[str, Any]) -> str:
     """What pgq may say about a database address: its host, hostaddr, port and
     dbname as libpq parsed them (`host=db1 port=5432 dbname=app`), never the user

@@ -15,7 +15,9 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
+import psycopg
 import pytest
 from helpers import (
     PGQ,
@@ -239,3 +241,38 @@ def test_a_stop_that_cuts_a_command_short_is_one_line_and_exit_1(pgq_env, procs)
             proc.send_signal(signal.SIGTERM)
             code, stdout, stderr = finish(proc, 15)
     assert (code, stdout, stderr) == (1, "", "pgq: stopped by SIGTERM\n")
+
+
+# -- a password on the command line --------------------------------------------------------
+
+
+def test_a_password_in_a_dsn_flag_is_warned_about_once(orders, pgq_env):
+    """Reported: `--dsn` is visible in `ps` to every user. pgq cannot hide its own
+    command line, so it says so (a log line) and the docs say what to use instead."""
+    dsn = psycopg.conninfo.make_conninfo(pgq_env["PGQ_DSN"], password="hunter2-SEVEN")
+    env = {k: v for k, v in pgq_env.items() if k != "PGQ_DSN"}
+    runs = {
+        "flag": subprocess.run(
+            [*PGQ, "--dsn", dsn, "--session-dsn", dsn, "status"], env=env, **RUN
+        ),
+        "json": subprocess.run(
+            [*PGQ, "--log-format", "json", "--dsn", dsn, "status"], env=env, **RUN
+        ),
+        "env": subprocess.run([*PGQ, "status"], env={**env, "PGQ_DSN": dsn}, **RUN),
+        "no password": subprocess.run(
+            [*PGQ, "--dsn", pgq_env["PGQ_DSN"], "status"], env=env, **RUN
+        ),
+    }
+    for how, done in runs.items():
+        assert done.returncode == 0, (how, done.stderr)
+        assert "hunter2-SEVEN" not in done.stdout + done.stderr
+        assert "billing  orders" in done.stdout, (how, done.stdout)
+    [line] = runs["flag"].stderr.splitlines()
+    assert "WARNING pgq.cli: password on the command line flag=--dsn,--session-dsn:" in line
+    assert "PGQ_DSN" in line
+    [line] = runs["json"].stderr.splitlines()
+    assert json.loads(line)["flag"] == "--dsn"
+    assert runs["env"].stderr == runs["no password"].stderr == ""
+
+
+RUN: dict[str, Any] = {"capture_output": True, "text": True, "timeout": 30}
