@@ -396,17 +396,16 @@ def bind_dashboard(engine: Engine, host: str, port: int, **options: Any) -> Any:
         raise UsageError(f"cannot listen on {host!r}: not an address of this machine") from None
 
 
-STOP_SIGNALS = tuple(
-    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
-)
+STOP_SIGNALS = startup.STOP_SIGNALS
 
 
 @contextlib.contextmanager
 def stopping_on_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread, as Ctrl-C does, so
-    that the same clean stop runs (a service manager stops with SIGTERM; its default
-    action killed `pgq web` mid-request and left `pgq demo --web`'s scratch schema
-    behind; tests/integration/test_web_attacks.py). A second one acts at once."""
+    """SIGTERM, SIGHUP and SIGINT raise KeyboardInterrupt in the main thread (as Ctrl-C
+    does by default; not `startup.Stopped`), so that the same clean stop runs (a
+    service manager stops with SIGTERM; its default action killed `pgq web`
+    mid-request and left `pgq demo --web`'s scratch schema behind;
+    tests/integration/test_web_attacks.py). A second one acts at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

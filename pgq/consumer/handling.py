@@ -44,7 +44,9 @@ def load_handler(path: str) -> Callable[..., Any]:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except BaseException as exc:  # a module that calls sys.exit() or raises KeyboardInterrupt
+    # a module that calls sys.exit() or raises KeyboardInterrupt; any other
+    # BaseException (the CLI's stop during start-up) is not the module's fault
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:
         raise HandlerImportError(
             f"cannot import handler module {module_name!r}: {type(exc).__name__}: {exc}"
         ) from None

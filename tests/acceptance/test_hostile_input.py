@@ -226,6 +226,26 @@ def test_a_stop_during_start_up_is_one_line_and_exit_0(orders, pgq_env, tmp_path
     assert stderr == f"pgq: stopped by {signal.Signals(signum).name}\n"
 
 
+def test_a_stop_while_the_handler_module_imports_is_one_line_and_exit_0(
+    orders, pgq_env, tmp_path, procs
+):
+    """A handler module that takes long to import (a big framework) is start-up too."""
+    (tmp_path / "slowimport.py").write_text(
+        "import pathlib, time\n"
+        f"pathlib.Path({str(tmp_path / 'importing')!r}).touch()\n"
+        "time.sleep(60)\n"
+        "def handle(msg): pass\n"
+    )
+    env = consumer_env(pgq_env, tmp_path, **CONSUME_ENV)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    proc = spawn_pgq(env, "consume", "billing", "--handler", "slowimport:handle")
+    procs.append(proc)
+    wait_until((tmp_path / "importing").exists, 15, "the handler module to import")
+    proc.send_signal(signal.SIGTERM)
+    code, stdout, stderr = finish(proc, 15)
+    assert (code, stdout, stderr) == (0, "", "pgq: stopped by SIGTERM\n")
+
+
 def test_a_stop_that_cuts_a_command_short_is_one_line_and_exit_1(pgq_env, procs):
     """Any other command stopped halfway (here waiting for a server that never answers)
     ends with one line and exit 1: it did not do what it was asked."""
