@@ -1,16 +1,18 @@
 """`pgq consume`: run one member of a group from the command line.
 
 Exit codes (DESIGN §7): 0 when it finished what it was asked (drained with
-`--until-empty`, reached a limit, or stopped by SIGTERM/SIGINT after a clean
-shutdown; SIGHUP too); 75 when `--until-empty` stopped because a breaker is open (or the
-database could not be reached within `lease` seconds); 2 on bad usage or
-configuration, a refused login or a missing database included (at once, never
-retried); 1 otherwise (a second signal, handlers that overran the grace).
+`--until-empty`, reached a limit, or stopped by SIGTERM/SIGINT/SIGHUP after a
+clean shutdown, or before it claimed anything); 75 when `--until-empty` stopped
+because a breaker is open (or the database could not be reached within `lease`
+seconds); 2 on bad usage or configuration, a refused login or a missing
+database included (at once, never retried); 1 otherwise (a second signal,
+handlers that overran the grace).
 
 The settings are built once here, in the CLI's layers (the config file, then
 `PGQ_*` variables, then the flags), and handed to `Consumer` as one object.
 This is the only place that installs signal handlers for a member (`pgq web` and
-`pgq demo` turn SIGTERM and SIGHUP into Ctrl-C: `base.stopping_on_signals`).
+`pgq demo` turn SIGTERM and SIGHUP into Ctrl-C: `base.stopping_on_signals`;
+before a command takes over, `startup.hold` stops the process cleanly).
 """
 
 from __future__ import annotations
