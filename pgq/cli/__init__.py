@@ -23,6 +23,7 @@ on first use.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -51,5 +52,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         cli.main(args=list(argv) if argv is not None else None, prog_name="pgq")
     except startup.Stopped as stop:
-        sys.stderr.write(stop.line + "\n")
+        from pgq.cli import logs
+
+        args = list(argv) if argv is not None else sys.argv[1:]
+        logs.use_format(logs.format_asked(args, os.environ))
+        logs.report(stop.line, "stopped", level="WARNING", signal=stop.name)
         sys.exit(stop.exit_code)

@@ -30,6 +30,7 @@ import json
 import logging
 import re
 import sys
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 import click
@@ -225,6 +226,28 @@ _chosen = {"format": "text"}
 def use_format(log_format: str) -> None:
     """Write `report` lines (and the next `configure_logging`'s) as `log_format`."""
     _chosen["format"] = log_format.lower() if log_format.lower() in FORMATS else "text"
+
+
+GLOBAL_VALUED = ("--dsn", "--session-dsn", "--config", "--schema", "--log-level", "--log-format")
+"""The root command's options that take a value (`format_asked` skips their values)."""
+
+
+def format_asked(args: Sequence[str], environ: Mapping[str, str]) -> str:
+    """The log format a command line asks for, read before click has parsed it (a stop
+    during start-up): the last `--log-format F` or `--log-format=F` among the global
+    options, else `$PGQ_LOG_FORMAT`, else text."""
+    asked = environ.get("PGQ_LOG_FORMAT", "text")
+    words = iter(args)
+    for arg in words:
+        if arg in GLOBAL_VALUED:
+            value = next(words, None)
+            if arg == "--log-format" and value is not None:
+                asked = value
+        elif arg.startswith("--log-format="):
+            asked = arg.partition("=")[2]
+        elif not arg.startswith("-"):
+            break  # the command: what follows is its own
+    return asked
 
 
 def report(text: str, message: str, *, level: str = "INFO", **values: Any) -> None:

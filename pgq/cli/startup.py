@@ -48,9 +48,14 @@ class Stopped(BaseException):
         self.signum = signum
 
     @property
+    def name(self) -> str:
+        """The signal's name: `SIGTERM`."""
+        return signal.Signals(self.signum).name
+
+    @property
     def line(self) -> str:
         """The one line `pgq` ends with."""
-        return f"pgq: stopped by {signal.Signals(self.signum).name}"
+        return f"pgq: stopped by {self.name}"
 
     @property
     def exit_code(self) -> int:

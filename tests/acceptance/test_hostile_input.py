@@ -221,6 +221,31 @@ def test_a_stop_during_start_up_is_one_line_and_exit_0(orders, pgq_env, tmp_path
     assert stderr == f"pgq: stopped by {signal.Signals(signum).name}\n"
 
 
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_a_stop_during_start_up_is_one_json_line_with_json_logs(
+    orders, pgq_env, tmp_path, procs, how
+):
+    """With `--log-format json` (or $PGQ_LOG_FORMAT) every line on stderr is one JSON
+    object (DESIGN §7): the start-up stop's too, though click has not read the flag."""
+    env = consumer_env(pgq_env, tmp_path, **CONSUME_ENV)
+    args = ["consume", "billing", "--handler", "handlers:record", "--until-empty"]
+    if how == "flag":
+        args = ["--log-format", "json", *args]
+    else:
+        env["PGQ_LOG_FORMAT"] = "json"
+    proc = spawn_pgq(env, *args)
+    procs.append(proc)
+    wait_until(lambda: _importing(proc.pid), 15, "the imports to begin", interval=0.001)
+    proc.send_signal(signal.SIGTERM)
+    code, stdout, stderr = finish(proc, 15)
+    assert (code, stdout) == (0, ""), stderr
+    [line] = stderr.splitlines()
+    event = json.loads(line)
+    assert event["message"] == "stopped" and event["signal"] == "SIGTERM", event
+    assert event["level"] == "WARNING"
+
+
 def test_a_stop_while_the_handler_module_imports_is_one_line_and_exit_0(
     orders, pgq_env, tmp_path, procs
 ):
