@@ -45,13 +45,14 @@ from sqlalchemy import (
     literal,
     literal_column,
     select,
-    table,
     true,
     union_all,
     values,
 )
 from sqlalchemy.sql import ColumnElement, Executable
 from sqlalchemy.sql.functions import Function
+
+from pgq.sql import catalog
 
 CONSUMER_TABLES: dict[str, tuple[str, ...]] = {
     "topic": ("SELECT",),
@@ -208,36 +209,13 @@ def grant_statements(job: str, schema: str, role: str) -> list[psql.Composed]:
     return statements
 
 
-_roles = table("pg_roles", column("oid"), column("rolname"), schema="pg_catalog")
-
-
 @cache
 def role_exists() -> Executable:
     """Is there a role named `:role` (its exact name, not an identifier to parse)?"""
-    return select(exists().where(_roles.c.rolname == bindparam("role", type_=Text)))
+    return select(exists().where(catalog.roles.c.rolname == bindparam("role", type_=Text)))
 
 
 # --- checking -----------------------------------------------------------------
-
-_namespaces = table("pg_namespace", column("oid"), column("nspname"), schema="pg_catalog")
-_classes = table(
-    "pg_class",
-    column("oid"),
-    column("relname"),
-    column("relnamespace"),
-    column("relkind"),
-    column("relowner"),
-    column("relacl"),
-    schema="pg_catalog",
-)
-_attributes = table(
-    "pg_attribute",
-    column("attrelid"),
-    column("attname"),
-    column("attnum"),
-    column("attisdropped"),
-    schema="pg_catalog",
-)
 
 
 def _has(check: str, of_role: bool, *args: ColumnElement[object]) -> ColumnElement[bool]:
@@ -273,7 +251,7 @@ def missing_privileges(job: str, of_role: bool = False) -> Executable:
             if name != "schema"
         ]
     )
-    n, c, a = _namespaces, _classes, _attributes
+    n, c, a = catalog.namespaces, catalog.classes, catalog.attributes
     in_schema = select(n.c.oid).where(n.c.nspname == bindparam("schema")).scalar_subquery()
     granted = case(
         (c.c.relkind == "S", _has("sequence", of_role, c.c.oid, needs.c.privilege)),
@@ -304,7 +282,7 @@ def missing_privileges(job: str, of_role: bool = False) -> Executable:
 def grantees() -> Executable:
     """The roles granted `:privilege` on table `:table` of schema `:schema` in its ACL,
     by name: not its owner, nor PUBLIC (no role of that name)."""
-    n, c, r = _namespaces, _classes, _roles
+    n, c, r = catalog.namespaces, catalog.classes, catalog.roles
     in_schema = select(n.c.oid).where(n.c.nspname == bindparam("schema")).scalar_subquery()
     acl = (
         func.aclexplode(c.c.relacl)

@@ -32,12 +32,13 @@ from functools import cache
 from typing import Any
 
 from psycopg import sql as psql
-from sqlalchemy import Boolean, Text, any_, bindparam, column, func, literal, select, table
+from sqlalchemy import Text, any_, bindparam, func, literal, select
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import Executable
 from sqlalchemy.sql.selectable import ScalarSelect
 
 from pgq import schema as t
+from pgq.sql import catalog
 
 OPEN_POLICY = "pgq_all"
 """The permissive policy that keeps every unrestricted role seeing every row."""
@@ -200,33 +201,11 @@ def restrict_statements(
 
 # --- what is there ------------------------------------------------------------
 
-_namespaces = table("pg_namespace", column("oid"), column("nspname"), schema="pg_catalog")
-_classes = table(
-    "pg_class",
-    column("oid"),
-    column("relname"),
-    column("relnamespace"),
-    column("relrowsecurity"),
-    column("relowner"),
-    schema="pg_catalog",
-)
-_policies = table(
-    "pg_policy", column("oid"), column("polname"), column("polrelid"), schema="pg_catalog"
-)
-_roles = table(
-    "pg_roles",
-    column("oid"),
-    column("rolname"),
-    column("rolsuper", Boolean),
-    column("rolbypassrls", Boolean),
-    schema="pg_catalog",
-)
-
 
 def _in_schema() -> ScalarSelect[Any]:
     return (
-        select(_namespaces.c.oid)
-        .where(_namespaces.c.nspname == bindparam("schema", type_=Text))
+        select(catalog.namespaces.c.oid)
+        .where(catalog.namespaces.c.nspname == bindparam("schema", type_=Text))
         .scalar_subquery()
     )
 
@@ -234,7 +213,9 @@ def _in_schema() -> ScalarSelect[Any]:
 @cache
 def role_oid() -> Executable:
     """The oid of role `:role` (its exact name)."""
-    return select(_roles.c.oid).where(_roles.c.rolname == bindparam("role", type_=Text))
+    return select(catalog.roles.c.oid).where(
+        catalog.roles.c.rolname == bindparam("role", type_=Text)
+    )
 
 
 @cache
@@ -242,7 +223,7 @@ def bypasses() -> Executable:
     """Does role `:role` bypass row-level security on the tables of schema `:schema`:
     a superuser, a role with BYPASSRLS, or one with the privileges of a table's owner
     (the owner, or a member of it)? Then no policy restricts it."""
-    c, r = _classes, _roles
+    c, r = catalog.classes, catalog.roles
     owns = (
         select(c.c.oid)
         .where(
@@ -260,14 +241,14 @@ def bypasses() -> Executable:
 @cache
 def secured_tables() -> Executable:
     """The tables of schema `:schema` with row-level security on."""
-    c = _classes
+    c = catalog.classes
     return select(c.c.relname).where(c.c.relnamespace == _in_schema(), c.c.relrowsecurity)
 
 
 @cache
 def policies() -> Executable:
     """(table, policy, its comment) for every policy on the tables of schema `:schema`."""
-    c, p = _classes, _policies
+    c, p = catalog.classes, catalog.policies
     comment = func.obj_description(p.c.oid, literal("pg_policy", Text))
     return (
         select(c.c.relname, p.c.polname, comment)

@@ -22,6 +22,8 @@ from psycopg import sql as psql
 from sqlalchemy import BigInteger, bindparam, column, func, select, table
 from sqlalchemy.sql import Executable
 
+from pgq.sql import catalog
+
 stat_tables = table(
     "pg_stat_user_tables",
     column("relid"),
@@ -34,7 +36,6 @@ stat_tables = table(
     column("last_autovacuum"),
     schema="pg_catalog",
 )
-classes = table("pg_class", column("oid"), column("relowner"), schema="pg_catalog")
 
 
 @cache
@@ -65,9 +66,9 @@ def delivery_dead() -> Executable:
             s.c.n_dead_tup,
             s.c.n_live_tup,
             func.extract("epoch", func.now() - last),
-            func.pg_has_role(classes.c.relowner, "USAGE"),
+            func.pg_has_role(catalog.classes.c.relowner, "USAGE"),
         )
-        .select_from(s.join(classes, classes.c.oid == s.c.relid))
+        .select_from(s.join(catalog.classes, catalog.classes.c.oid == s.c.relid))
         .where(s.c.relid == func.to_regclass(bindparam("relation")))
     )
 
