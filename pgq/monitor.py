@@ -527,7 +527,7 @@ def _verdict(rows: inspect.CheckRows, max_age: tuple[float, float | None]) -> tu
 # --- pgq show and pgq audit -----------------------------------------------------
 
 
-def _decoded(text: str | None) -> tuple[Any, str | None]:
+def _decoded(text: str | None, what: str = "message") -> tuple[Any, str | None]:
     """JSON text as a value, or (None, why) when Python's decoder cannot take it
     (jsonb nests far deeper than Python's decoder goes)."""
     if text is None:
@@ -535,7 +535,7 @@ def _decoded(text: str | None) -> tuple[Any, str | None]:
     try:
         return json.loads(text), None
     except (RecursionError, ValueError) as exc:
-        return None, f"the stored message cannot be decoded: {type(exc).__name__}"
+        return None, f"the stored {what} cannot be decoded: {type(exc).__name__}"
 
 
 def message(engine: Engine, group: str, message_id: int) -> dict[str, Any]:
@@ -606,23 +606,45 @@ def message(engine: Engine, group: str, message_id: int) -> dict[str, Any]:
     }
 
 
-def audit(engine: Engine, group: str, limit: int = DEFAULT_AUDIT_LIMIT) -> list[dict[str, Any]]:
-    """`pgq audit GROUP --json`: the newest `limit` audit rows of `group`, newest first.
+def audit(
+    engine: Engine,
+    group: str | None,
+    limit: int = DEFAULT_AUDIT_LIMIT,
+    *,
+    topic: str | None = None,
+) -> list[dict[str, Any]]:
+    """`pgq audit GROUP --json`: the newest `limit` audit rows of `group`, newest first
+    (`pgq audit --topic T`: with `group` None and `topic`, every row about the topic
+    and its groups).
 
-    Each is `{"id", "at", "action", "count", "message_ids", "reason", "actor"}`:
-    `action` is `requeue` or `purge`, `count` the rows it changed, `message_ids`
-    at most 10,000 of them (the smallest). Raises `UnknownGroup`, and
-    `UsageError` for a limit outside `0..2**31-1`.
+    Each is `{"id", "at", "action", "count", "message_ids", "reason", "actor",
+    "role", "group", "topic", "unreadable"}`: `action` is `requeue`, `purge`,
+    `unsubscribe` or `delete-topic`, `count` the rows it changed, `message_ids` at
+    most 10,000 of them (the smallest), `actor` who ran it as the client said
+    (`user@host`), `role` the database role that wrote the row (None in rows
+    written before schema version 5). The trail of a group `pgq unsubscribe`
+    removed is still read by its name. `message_ids` is whatever JSON the row
+    holds (a role that may insert audit rows can write any): None with
+    `unreadable` saying why when Python's decoder cannot take it. Raises
+    `UnknownGroup` (`UnknownTopic`), and `UsageError` for a limit outside
+    `0..2**31-1`.
     """
-    return [
-        {
-            "id": r.id,
-            "at": iso(r.at),
-            "action": r.action,
-            "count": int(r._mapping["count"]),  # `r.count` is the tuple method
-            "message_ids": r.message_ids,
-            "reason": r.reason,
-            "actor": r.actor,
-        }
-        for r in admin.audit_rows(engine, group, limit)
-    ]
+    trail = []
+    for r in admin.audit_rows(engine, group, limit, topic=topic):
+        ids, unreadable = _decoded(r.message_ids, "message_ids")
+        trail.append(
+            {
+                "id": r.id,
+                "at": iso(r.at),
+                "action": r.action,
+                "count": int(r._mapping["count"]),  # `r.count` is the tuple method
+                "message_ids": ids,
+                "reason": r.reason,
+                "actor": r.actor,
+                "role": r.role,
+                "group": r.group_name,
+                "topic": r.topic,
+                "unreadable": unreadable,
+            }
+        )
+    return trail

@@ -295,13 +295,25 @@ audit = Table(
     metadata,
     Column("id", BigInteger, Identity(), primary_key=True),
     _now_column("at"),
+    # `NO_GROUP` (0) in a row about a topic (`delete-topic`): no group has id 0
     Column("group_id", Integer, nullable=False),
     Column("action", Text, nullable=False),
     Column("message_ids", JSONB, nullable=False),
     Column("count", BigInteger, nullable=False),
     Column("reason", Text, nullable=False),
+    # who ran it, as the client says (`user@host`: the OS user, which LOGNAME can fake)
     Column("actor", Text, nullable=False),
+    # schema version 5: the database role that wrote the row (`current_user`, taken
+    # by the insert on the server; NULL in rows written before), and the names of
+    # the group and the topic, so the trail outlives them (decision 0033)
+    Column("role", Text, server_default=text("CURRENT_USER")),
+    Column("group_name", Text),
+    Column("topic", Text),
 )
+"""Who changed rows by hand, and why: requeue, purge, unsubscribe, delete-topic."""
+
+NO_GROUP = 0
+"""`audit.group_id` of a row about a topic rather than a group."""
 
 STATES: tuple[str, ...] = tuple(s.value for s in RowState)
 ERROR_CLASSES: tuple[str, ...] = tuple(c.value for c in ErrorClass)

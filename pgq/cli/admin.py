@@ -13,6 +13,8 @@ payloads, error texts, reasons and names come from users and handlers.
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 from typing import Any
 
 import click
@@ -20,10 +22,10 @@ import click
 from pgq import monitor
 from pgq.cli.base import State, emit, json_option, pass_state
 from pgq.cli.parse import parse_age, parse_ids, parse_message_id
-from pgq.cli.render import message_lines, one_line, table
+from pgq.cli.render import ago, message_lines, one_line, table
 from pgq.errors import UsageError
 from pgq.schema import ERROR_CLASSES
-from pgq.store import purge, requeue
+from pgq.store import database_now, purge, requeue
 from pgq.store.admin import MAX_AUDIT_LIMIT
 
 __all__ = [
@@ -148,26 +150,40 @@ def show_command(state: State, group: str, message_id: str, as_json: bool) -> No
 _SHOWN_IDS = 5
 
 
-def audit_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """`pgq audit GROUP`: one row per audit entry, newest first."""
+def _listed(listed: Any, count: int) -> str:
+    """An audit row's `message_ids` in a cell: the first few ids and how many more,
+    or, for whatever else the row holds (any JSON a role that may insert audit rows
+    wrote), that JSON cut short."""
+    if isinstance(listed, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in listed[:_SHOWN_IDS]
+    ):
+        shown = ",".join(str(i) for i in listed[:_SHOWN_IDS])
+        more = max(count, len(listed)) - min(len(listed), _SHOWN_IDS)
+        return f"{shown} (+{more})" if more > 0 else shown or "-"
+    if listed is None:
+        return "-"
+    return one_line(json.dumps(listed)[:_SHOWN_JSON], _SHOWN_JSON) or "-"
+
+
+_SHOWN_JSON = 40
+
+
+def audit_lines(rows: list[dict[str, Any]], *, now: dt.datetime) -> list[str]:
+    """`pgq audit GROUP`: one row per audit entry, newest first, its time relative to
+    `now`."""
     if not rows:
         return ["no audit rows"]
-
-    def ids(listed: list[int], count: int) -> str:
-        shown = ",".join(str(i) for i in listed[:_SHOWN_IDS])
-        more = count - min(len(listed), _SHOWN_IDS)
-        return f"{shown} (+{more})" if more > 0 else shown or "-"
-
     return table(
-        ("ID", "AT", "ACTION", "COUNT", "ACTOR", "MESSAGE_IDS", "REASON"),
+        ("ID", "AT", "ACTION", "COUNT", "ACTOR", "ROLE", "MESSAGE_IDS", "REASON"),
         (
             (
                 r["id"],
-                r["at"],
+                ago(r["at"], now),
                 r["action"],
                 r["count"],
                 r["actor"],
-                ids(r["message_ids"], r["count"]),
+                r["role"],
+                "?" if r["unreadable"] else _listed(r["message_ids"], r["count"]),
                 one_line(r["reason"]),
             )
             for r in rows
@@ -176,7 +192,10 @@ def audit_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 @click.command("audit")
-@click.argument("group")
+@click.argument("group", required=False)
+@click.option(
+    "--topic", metavar="NAME", help="instead of a group: every row about topic NAME and its groups"
+)
 @json_option("a JSON list")
 @click.option(
     "--limit",
@@ -185,6 +204,13 @@ def audit_lines(rows: list[dict[str, Any]]) -> list[str]:
     type=click.IntRange(0, MAX_AUDIT_LIMIT),
 )
 @pass_state
-def audit_command(state: State, group: str, as_json: bool, limit: int) -> None:
-    """The audit trail of GROUP, newest first: who requeued or purged what, when, why."""
-    emit(monitor.audit(state.engine, group, limit), as_json, audit_lines)
+def audit_command(
+    state: State, group: str | None, topic: str | None, as_json: bool, limit: int
+) -> None:
+    """The audit trail of GROUP (or `--topic NAME`), newest first: who requeued,
+    purged, unsubscribed or deleted what, when, why (also for a group or a topic
+    that was removed since)."""
+    if (group is None) == (topic is None):
+        raise UsageError("give a GROUP or --topic NAME (not both)")
+    rows = monitor.audit(state.engine, group, limit, topic=topic)
+    emit(rows, as_json, lambda data: audit_lines(data, now=database_now(state.engine)))

@@ -161,38 +161,80 @@ def _dead_rows(only_ids: bool = False, of_class: bool = False) -> list[ColumnEle
     return where
 
 
-def _audited(action: str, changed: Any) -> Insert:
-    """Insert the audit row of `action` for the rows CTE `changed` returned (their
-    message ids): the count and at most `:max_listed` ids, the smallest; returns the
-    audit row's id and count."""
+def listed_ids(changed: Any, column: str = "message_id") -> Any:
+    """The smallest `:max_listed` of the ids in `column` of CTE `changed`, as one
+    JSON array (`[]` when it is empty): what an audit row lists."""
     listed = (
-        select(changed.c.message_id)
-        .order_by(changed.c.message_id)
+        select(changed.c[column].label("id"))
+        .order_by(changed.c[column])
         .limit(bindparam("max_listed", type_=Integer))
         .subquery("listed")
     )
-    ids = select(
+    return select(
         func.coalesce(
-            func.jsonb_agg(aggregate_order_by(listed.c.message_id, listed.c.message_id)),
+            func.jsonb_agg(aggregate_order_by(listed.c.id, listed.c.id)),
             cast(literal("[]"), JSONB),
         )
     ).scalar_subquery()
+
+
+AUDIT_COLUMNS = (
+    "group_id",
+    "action",
+    "message_ids",
+    "count",
+    "reason",
+    "actor",
+    "role",
+    "group_name",
+    "topic",
+)
+"""What pgq writes in an audit row (`id` and `at` are the database's)."""
+
+
+def _audit_values(action: str, ids: Any, count: Any) -> list[Any]:
+    """The values of `AUDIT_COLUMNS`: `:gid`, `action`, `ids`, `count`, `:reason`,
+    `:actor`, the session's role (`current_user`, evaluated by the insert on the
+    server, so no client can write another role's name), `:group_name`, `:topic`."""
+    return [
+        bindparam("gid", type_=Integer),
+        literal(action, Text),
+        ids,
+        count,
+        bindparam("reason", type_=Text),
+        bindparam("actor", type_=Text),
+        func.current_user(),
+        bindparam("group_name", type_=Text),
+        bindparam("topic", type_=Text),
+    ]
+
+
+def _audited(action: str, changed: Any) -> Insert:
+    """Insert the audit row of `action` for the rows CTE `changed` returned (their
+    message ids): the count and at most `:max_listed` ids, the smallest; returns the
+    audit row's id and count. When `changed` is empty nothing is inserted and
+    nothing returned: an action that changed nothing leaves no trail."""
     count = select(func.count()).select_from(changed).scalar_subquery()
     return (
         insert(audit)
         .from_select(
-            ["group_id", "action", "message_ids", "count", "reason", "actor"],
-            select(
-                bindparam("gid", type_=Integer),
-                literal(action, Text),
-                ids,
-                count,
-                bindparam("reason", type_=Text),
-                bindparam("actor", type_=Text),
+            list(AUDIT_COLUMNS),
+            select(*_audit_values(action, listed_ids(changed), count)).where(
+                select(changed.c.message_id).exists()
             ),
         )
         .returning(audit.c.id, audit.c.count)
     )
+
+
+@cache
+def insert_audit(action: str) -> Insert:
+    """Insert the audit row of `action` with `:ids` (a JSON array, as text) and
+    `:count` (see `_audit_values` for the rest); returns its id."""
+    values = _audit_values(
+        action, cast(bindparam("ids", type_=Text), JSONB), bindparam("count", type_=BigInteger)
+    )
+    return insert(audit).from_select(list(AUDIT_COLUMNS), select(*values)).returning(audit.c.id)
 
 
 def _requeue(only_ids: bool, of_class: bool = False) -> Executable:
@@ -225,7 +267,8 @@ def requeue_ids() -> Executable:
     Each becomes ready now with attempts, reclaims and refundable charges reset
     and its error class cleared (`last_error` and `refunds` stay). The audit row
     gets `:reason`, `:actor`, the count and at most `:max_listed` ids (the
-    smallest). Returns the audit row's id and count.
+    smallest). Returns the audit row's id and count; nothing (and no audit row)
+    when no row was requeued.
     """
     return _requeue(only_ids=True)
 
@@ -261,9 +304,9 @@ def _purge(older: bool) -> Executable:
     purged = d.delete().where(*dead, ~_pending()).returning(d.c.message_id).cte("purged")
     kept = select(func.count().label("n")).where(*dead, _pending()).cte("kept")
     audited = _audited(PURGE_ACTION, purged).cte("audited")
-    return select(audited.c.id, audited.c.count, kept.c.n.label("kept")).select_from(
-        audited.join(kept, true())
-    )
+    return select(
+        audited.c.id, func.coalesce(audited.c.count, 0).label("count"), kept.c.n.label("kept")
+    ).select_from(kept.outerjoin(audited, true()))
 
 
 @cache
@@ -273,8 +316,8 @@ def purge_dead() -> Executable:
     Rows the owed or coming reconciliation will bring back (`:pending_from`,
     `:pending_to`, `:max_refunds`: see `check_dead`) are kept: they are not dead
     letters. The audit row gets `:reason`, `:actor`, the count and at most
-    `:max_listed` ids (the smallest). Returns the audit row's id and count, and
-    `kept`, the pending rows left.
+    `:max_listed` ids (the smallest); none when nothing was deleted. Returns the
+    audit row's id (None without one) and count, and `kept`, the pending rows left.
 
     `kept` is counted in a CTE of the statement, not in the audit insert's
     `RETURNING`: Citus sends that subquery with the insert to the audit shard
@@ -385,20 +428,41 @@ def message_in_group() -> Select[Any]:
     )
 
 
+AUDIT_TRAILS = ("group", "group_name", "topic")
+"""Whose trail `audit_trail` reads: a group by id, a group by the name its rows
+keep (one `pgq unsubscribe` removed), or everything about a topic by its name."""
+
+
 @cache
-def audit_trail() -> Select[Any]:
-    """The newest `:limit` audit rows of group `:gid`, newest first."""
+def audit_trail(of: str = "group") -> Select[Any]:
+    """The newest `:limit` audit rows of group `:gid` (`of="group"`), of the group
+    named `:name` (`"group_name"`: also after it was removed), or of the topic named
+    `:name` (`"topic"`), newest first.
+
+    `message_ids` comes as JSON text (the caller decodes it: whatever a role that
+    may insert audit rows wrote there, however deeply nested, must not fail the read).
+    """
+    if of not in AUDIT_TRAILS:
+        raise ValueError(f"unknown audit trail {of!r}")
+    whose = (
+        audit.c.group_id == bindparam("gid", type_=Integer)
+        if of == "group"
+        else audit.c[of] == bindparam("name", type_=Text)
+    )
     return (
         select(
             audit.c.id,
             audit.c.at,
             audit.c.action,
             audit.c.count,
-            audit.c.message_ids,
+            cast(audit.c.message_ids, Text).label("message_ids"),
             audit.c.reason,
             audit.c.actor,
+            audit.c.role,
+            audit.c.group_name,
+            audit.c.topic,
         )
-        .where(audit.c.group_id == bindparam("gid", type_=Integer))
+        .where(whose)
         .order_by(audit.c.id.desc())
         .limit(bindparam("limit", type_=Integer))
     )

@@ -3,7 +3,7 @@ between tables of a schema in use (`pgq.store.migrations`)."""
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Integer, MetaData, Table, insert, select, text
+from sqlalchemy import Column, Integer, MetaData, Table, insert, select, text, update
 from sqlalchemy.sql import Executable, TextClause
 
 from pgq import schema as t
@@ -42,3 +42,27 @@ def delivery_xid_default(qualified: str) -> TextClause:
     """Schema version 4: a delivery row's xid is its inserting transaction's
     (`qualified`: the delivery table, quoted and schema-qualified)."""
     return text(f"ALTER TABLE {qualified} ALTER COLUMN xid SET DEFAULT pg_current_xact_id()")
+
+
+def add_text_columns(qualified: str, columns: list[str]) -> TextClause:
+    """Add nullable text `columns` (names pgq declares) to table `qualified` (quoted
+    and schema-qualified), without defaults: the rows there stay NULL."""
+    adds = ", ".join(f'ADD COLUMN "{name}" text' for name in columns)
+    return text(f"ALTER TABLE {qualified} {adds}")
+
+
+def role_default(qualified: str) -> TextClause:
+    """Schema version 5: an audit row's role is the inserting session's `current_user`
+    (`qualified`: the audit table, quoted and schema-qualified)."""
+    return text(f"ALTER TABLE {qualified} ALTER COLUMN role SET DEFAULT CURRENT_USER")
+
+
+def name_audit_rows() -> Executable:
+    """Schema version 5: the group's and the topic's names in the audit rows written
+    before, for the groups that exist."""
+    a, g, tp = t.audit, t.consumer_group, t.topic
+    return (
+        update(a)
+        .where(a.c.group_id == g.c.id, g.c.topic_id == tp.c.id, a.c.group_name.is_(None))
+        .values(group_name=g.c.name, topic=tp.c.name)
+    )

@@ -18,12 +18,14 @@ from typing import Any, NamedTuple
 from sqlalchemy import Engine, Row
 
 from pgq.breaker import pending_scope
-from pgq.errors import UsageError
+from pgq.errors import UnknownGroup, UnknownTopic, UsageError
+from pgq.names import check_name
+from pgq.records import GroupInfo
 from pgq.schema import ERROR_CLASSES
 from pgq.settings import DEFAULTS
 from pgq.sql import admin as q
 from pgq.sql.locks import breaker_flip_key, xact_lock_shared
-from pgq.sql.publish import notify_channel
+from pgq.sql.publish import notify_channel, topic_id
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
 from pgq.store.inspect import snapshot
@@ -47,10 +49,11 @@ _SHOWN_INVALID = 20
 
 @dataclass(frozen=True, slots=True)
 class RequeueResult:
-    """What one requeue did: how many rows, and the audit row that records it."""
+    """What one requeue did: how many rows, and the audit row that records it (None
+    when it requeued nothing: then it wrote none)."""
 
     count: int
-    audit_id: int
+    audit_id: int | None
 
 
 def default_actor() -> str:
@@ -68,7 +71,7 @@ def _id_list(ids: Sequence[int]) -> str:
     return f"{shown} and {more} more" if more > 0 else shown
 
 
-def _reason(reason: str | None, action: str) -> str:
+def check_reason(reason: str | None, action: str) -> str:
     """`reason` with its whitespace collapsed; `UsageError` when it is empty or holds
     what the database cannot store (a NUL byte, a lone surrogate)."""
     why = " ".join((reason or "").split())
@@ -124,8 +127,9 @@ def requeue(
     Each row becomes ready now: attempts, reclaims and refundable charges reset
     to 0, error class cleared; `last_error` and `refunds` stay. One `audit` row
     records the group, action `requeue`, the ids (at most `max_listed`, the
-    smallest), the full count, `reason` and `actor` (default `user@host`). All
-    in one transaction. Raises `UsageError` for bad arguments (an id outside
+    smallest), the full count, `reason`, `actor` (default `user@host`) and the
+    database role; a requeue that matched no row writes none. All in one
+    transaction. Raises `UsageError` for bad arguments (an id outside
     `1..MAX_MESSAGE_ID`, a reason that is empty or holds a NUL byte or a lone
     surrogate, an `error_class` without `all_dead`), and when any of `ids` is
     not a dead row of the group (`not dead: 12, 13`): then nothing is written.
@@ -140,13 +144,13 @@ def requeue(
         check_error_class(error_class)
     wanted = [check_message_id(i) for i in dict.fromkeys(ids or ())]
     params: dict[str, Any] = {
-        "reason": _reason(reason, "requeue"),
+        "reason": check_reason(reason, "requeue"),
         "actor": actor or default_actor(),
         "max_listed": max_listed,
     }
     with wrap_errors(), engine.begin() as conn:
         info = group_info(conn, group)
-        params["gid"] = info.id
+        params.update(audit_names(info))
         if error_class is not None:
             params["cls"] = error_class
             statement = q.requeue_class()
@@ -162,21 +166,24 @@ def requeue(
                 )
             params["ids"] = wanted
             statement = q.requeue_ids()
-        audit_id, count = conn.execute(statement, params).one()
-        if count:
-            channel = notify_channel(schema_of(engine))
-            conn.execute(q.notify(), {"channel": channel, "topic": info.topic})
+        row = conn.execute(statement, params).one_or_none()
+        if row is None:
+            return RequeueResult(count=0, audit_id=None)
+        audit_id, count = row
+        channel = notify_channel(schema_of(engine))
+        conn.execute(q.notify(), {"channel": channel, "topic": info.topic})
     return RequeueResult(count=int(count), audit_id=int(audit_id))
 
 
 @dataclass(frozen=True, slots=True)
 class PurgeResult:
     """What one purge did: rows deleted, dead rows kept because a reconciliation
-    will bring them back, and the audit row that records it."""
+    will bring them back, and the audit row that records it (None when it deleted
+    nothing: then it wrote none)."""
 
     count: int
     kept: int
-    audit_id: int
+    audit_id: int | None
 
 
 def _older_than(seconds: float | None) -> dt.timedelta | None:
@@ -208,8 +215,9 @@ def purge(
     (charged by the outage, fewer than `max_refunds` refunds: the rows
     `pgq check` counts as pending) are kept and counted in `kept`: they are not
     dead letters. No other row is touched. One `audit` row (action `purge`)
-    records the count, at most `max_listed` ids (the smallest), `reason` and
-    `actor`, written by the same statement as the delete: both or neither.
+    records the count, at most `max_listed` ids (the smallest), `reason`,
+    `actor` and the database role, written by the same statement as the delete:
+    both or neither (a purge that deleted nothing writes none).
     First it takes the group's breaker-flip lock shared (an open takes it
     exclusively), so the breaker it reads cannot open before the delete commits:
     rows an outage is about to refund are never purged on a stale view. A dead
@@ -219,7 +227,7 @@ def purge(
     `docs/decisions/0017-purge.md`. Raises `UsageError` for bad arguments.
     """
     params: dict[str, Any] = {
-        "reason": _reason(reason, "purge"),
+        "reason": check_reason(reason, "purge"),
         "actor": actor or default_actor(),
         "max_listed": max_listed,
         "max_refunds": max_refunds,
@@ -227,7 +235,7 @@ def purge(
     age = _older_than(older_than)
     with wrap_errors(), engine.connect() as conn, conn.begin():
         conn.execute(xact_lock_shared(breaker_flip_key(schema_of(conn), group)))
-        params["gid"] = group_info(conn, group).id
+        params.update(audit_names(group_info(conn, group)))
         row = conn.execute(q.check_group(), {"gid": params["gid"]}).one()
         scope = pending_scope(
             row.state, int(row.epoch), row.reconcile_epoch, row.reconcile_from_epoch
@@ -239,7 +247,9 @@ def purge(
             params["older_than"] = age
             statement = q.purge_dead_older()
         audit_id, count, kept = conn.execute(statement, params).one()
-    return PurgeResult(count=int(count), kept=int(kept), audit_id=int(audit_id))
+    return PurgeResult(
+        count=int(count), kept=int(kept), audit_id=None if audit_id is None else int(audit_id)
+    )
 
 
 def message_row(engine: Engine, group: str, message_id: int) -> MessageRow | None:
@@ -293,12 +303,41 @@ class MessageRow(NamedTuple):
     purge_reason: str | None
 
 
-def audit_rows(engine: Engine, group: str, limit: int) -> list[Row[Any]]:
-    """The newest `limit` audit rows of `group`, newest first; raises `UnknownGroup`."""
+def audit_names(info: GroupInfo) -> dict[str, Any]:
+    """The parameters that name group `info` in its audit rows (`q.AUDIT_COLUMNS`)."""
+    return {"gid": info.id, "group_name": info.name, "topic": info.topic}
+
+
+def audit_rows(
+    engine: Engine, group: str | None, limit: int, *, topic: str | None = None
+) -> list[Row[Any]]:
+    """The newest `limit` audit rows of `group` (or, with `topic` instead, every row
+    about the topic and its groups), newest first; `message_ids` as JSON text.
+
+    A group `pgq unsubscribe` removed is read by the name its rows keep; raises
+    `UnknownGroup` (`UnknownTopic`) when there is neither such a group (topic) nor
+    a row that names it.
+    """
     if isinstance(limit, bool) or not isinstance(limit, int) or not 0 <= limit <= MAX_AUDIT_LIMIT:
         raise UsageError(f"invalid limit {limit!r}: use 0 to {MAX_AUDIT_LIMIT}")
+    if (group is None) == (topic is None):
+        raise UsageError("give a group or a topic (not both)")
     with snapshot(engine) as conn:
-        gid = group_info(conn, group).id
+        if topic is not None:
+            check_name("topic", topic)
+            found = list(conn.execute(q.audit_trail("topic"), {"name": topic, "limit": limit}))
+            if not found and conn.execute(topic_id(), {"name": topic}).first() is None:
+                raise UnknownTopic(f"unknown topic {topic!r}")
+            return found
+        assert group is not None
+        try:
+            gid = group_info(conn, group).id
+        except UnknownGroup:
+            trail = q.audit_trail("group_name")
+            found = list(conn.execute(trail, {"name": group, "limit": max(limit, 1)}))
+            if not found:
+                raise
+            return found[:limit]
         return list(conn.execute(q.audit_trail(), {"gid": gid, "limit": limit}))
 
 

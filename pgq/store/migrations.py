@@ -70,6 +70,25 @@ def _v4_group_state(conn: Connection) -> None:
     _granted(conn, carry_grants(conn, t.group_state.name, privileges_sql.GROUP_STATE_CARRIED))
 
 
+def _v5_audit_names(conn: Connection) -> None:
+    # The audit row records the database role that wrote it, and the names of its
+    # group and topic, so `pgq audit` still shows the trail of a group removed by
+    # `pgq unsubscribe` (decision 0033). Rows written before keep a NULL role (the
+    # column gets its default after it is added, so they are not credited to the
+    # role that migrates); their names are filled in from the groups that exist.
+    # A fresh install already has the columns from version 1 (the tables as declared).
+    params = {"schema": schema_of(conn), "table": t.audit.name}
+    columns = set(conn.execute(upgrade.columns_of(), params).scalars())
+    added = [c for c in ("role", "group_name", "topic") if c not in columns]
+    if not added:
+        return
+    audit = _qualified(conn, t.audit)
+    conn.execute(upgrade.add_text_columns(audit, added))
+    if "role" in added:
+        conn.execute(upgrade.role_default(audit))
+    conn.execute(upgrade.name_audit_rows())
+
+
 def _granted(conn: Connection, statements: list[str]) -> None:
     for statement in statements:
         logger.info("migration granted schema=%s statement=%s", schema_of(conn), statement)
@@ -86,6 +105,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection], None]], ...] = (
     (2, "index of the rows an outage charged", _v2_charged_index),
     (3, "the probe log", _v3_probe_log),
     (4, "group state apart from the group, delivery xid from its insert", _v4_group_state),
+    (5, "audit rows name their role, group and topic", _v5_audit_names),
 )
 LATEST = MIGRATIONS[-1][0]
 

@@ -256,7 +256,7 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             if not ids:
                 abort(400, "give the message ids to requeue, or tick 'every dead row'")
             result = store_admin.requeue(dashboard.engine, name, ids, reason=reason, actor=actor)
-        return _done(name, f"requeued {result.count} (audit {result.audit_id})", result.audit_id)
+        return _done(name, f"requeued {result.count}{_audited(result.audit_id)}", result.audit_id)
 
     @app.post("/groups/<name>/purge")
     def purge(name: str) -> Any:
@@ -272,10 +272,14 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             actor=actor,
         )
         kept = f", kept {result.kept} pending reconciliation" if result.kept else ""
-        text = f"purged {result.count}{kept} (audit {result.audit_id})"
+        text = f"purged {result.count}{kept}{_audited(result.audit_id)}"
         return _done(name, text, result.audit_id, kept=result.kept)
 
-    def _done(name: str, text: str, audit_id: int, **shown: int) -> Any:
+    def _audited(audit_id: int | None) -> str:
+        """The audit row a change wrote, for its answer (none when it changed nothing)."""
+        return "" if audit_id is None else f" (audit {audit_id})"
+
+    def _done(name: str, text: str, audit_id: int | None, **shown: int) -> Any:
         """A change's answer: for a browser a 303 to the group page, which says what was
         done (a reload of a POST's answer would post it again; docs/defects.md);
         for a script (`Authorization: Bearer`) the result page itself."""

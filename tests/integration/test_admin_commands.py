@@ -254,13 +254,10 @@ def test_purge_older_than_counts_from_the_last_change_by_the_database_clock(orde
     assert ok(invoke(pgq_env, *args, "--older-than", "12h")) == "purged 0\n"
     assert ok(invoke(pgq_env, *args, "--older-than", "30m")) == "purged 1\n"
     assert set(rows(orders, GROUP)) == {ids[3]}
-    assert purge(orders, GROUP, older_than=90, reason="x").count == 0
-    assert [(a.count, a.message_ids) for a in audit_rows(orders)] == [
-        (2, ids[:2]),
-        (0, []),
-        (1, [ids[2]]),
-        (0, []),
-    ]
+    nothing = purge(orders, GROUP, older_than=90, reason="x")
+    assert (nothing.count, nothing.audit_id) == (0, None)
+    # a purge that deleted nothing leaves no audit row (issue 21)
+    assert [(a.count, a.message_ids) for a in audit_rows(orders)] == [(2, ids[:2]), (1, [ids[2]])]
 
 
 def test_purge_keeps_the_rows_a_reconciliation_will_bring_back(orders, pgq_env):
@@ -447,11 +444,11 @@ def test_requeue_all_of_one_class(orders, pgq_env):
     assert ok(invoke(pgq_env, *args, "systemic")) == "requeued 1\n"
     assert requeue(orders, GROUP, all_dead=True, error_class="lease", reason="x").count == 1
     assert ok(invoke(pgq_env, *args, "message")) == "requeued 0\n"
+    # the requeue that matched nothing left no audit row (issue 21)
     assert [(a.action, a.count, a.message_ids) for a in audit_rows(orders)] == [
         ("requeue", 2, ids[:2]),
         ("requeue", 1, [ids[3]]),
         ("requeue", 1, [ids[4]]),
-        ("requeue", 0, []),
     ]
     assert rows(orders, GROUP)[ids[2]].state == "dead"
 
@@ -516,8 +513,10 @@ def test_audit_lists_requeues_and_purges_newest_first(orders, pgq_env):
     assert monitor.audit(orders, GROUP, 0) == []
     lines = printable_lines(ok(invoke(pgq_env, "audit", GROUP)))
     assert len(lines) == 3 and lines[0].split() == [
-        "ID", "AT", "ACTION", "COUNT", "ACTOR", "MESSAGE_IDS", "REASON"
+        "ID", "AT", "ACTION", "COUNT", "ACTOR", "ROLE", "MESSAGE_IDS", "REASON"
     ]  # fmt: skip
+    with orders.connect() as conn:  # the role is the session's
+        assert trail[0]["role"] == trail[1]["role"] == conn.scalar(text("SELECT current_user"))
     assert "\\x1b]0;owned\\x07" in lines[1] and "\\u202e" in lines[1]
     assert f"{ids[1]},{ids[2]},{ids[3]}" in lines[1]
 

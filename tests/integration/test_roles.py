@@ -364,13 +364,8 @@ def admin_refusals(role: Role, ids: list[int]) -> set[str]:
 def test_exactly_the_admin_privileges_do_every_admin_command(orders, as_role, dead_ids):
     assert admin_refusals(as_role("admin"), dead_ids) == set()
     trail = monitor.audit(orders, "billing")
-    assert [(a["action"], a["count"]) for a in reversed(trail)] == [
-        ("requeue", 1),
-        ("requeue", 2),
-        ("requeue", 0),
-        ("purge", 0),
-        ("purge", 0),
-    ]
+    # the requeue of all and the purges found nothing: no audit row (issue 21)
+    assert [(a["action"], a["count"]) for a in reversed(trail)] == [("requeue", 1), ("requeue", 2)]
 
 
 @pytest.mark.parametrize("without", everything("admin"), ids="-".join)

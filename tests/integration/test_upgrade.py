@@ -40,6 +40,8 @@ def released(version: int, pg_dsn: str, schema: str) -> Iterator[Engine]:
     sql(engine, f"INSERT INTO {s}.topic (name) VALUES ('t')")
     sql(engine, f"INSERT INTO {s}.consumer_group (name, topic_id) SELECT 'g', id FROM {s}.topic")
     sql(engine, f"INSERT INTO {s}.breaker (group_id) SELECT id FROM {s}.consumer_group")
+    if version >= 4:
+        sql(engine, f"INSERT INTO {s}.group_state (group_id) SELECT id FROM {s}.consumer_group")
     yield engine
     engine.dispose()
 
@@ -77,18 +79,27 @@ def publish_as_released(engine: Engine, schema: str, n: int) -> list[int]:
     return sorted(ids)
 
 
-def test_init_upgrades_a_database_in_use_and_it_drains(released: Engine, schema: str):
+def test_init_upgrades_a_database_in_use_and_it_drains(released: Engine, schema: str, version: int):
     s = f'"{schema}".delivery'
     # two messages the group finished and pruned before the upgrade, with the
     # frontier and the running totals the earlier version kept on the group row
     pruned = publish_as_released(released, schema, 2)
     sql(released, f"DELETE FROM {s}")
+    # versions 1-3 kept them on the group row, version 4 in group_state
+    state = "group_state" if version >= 4 else "consumer_group"
     sql(
         released,
-        f'UPDATE "{schema}".consumer_group SET committed_xid = m.xid, committed_id = m.id,'
+        f'UPDATE "{schema}".{state} SET committed_xid = m.xid, committed_id = m.id,'
         " done_pruned = 2, reclaimed_total = 5, released_total = 7, refunded_total = 11"
         f' FROM "{schema}".message m WHERE m.id = :last',
         last=pruned[-1],
+    )
+    # an audit row as every earlier version wrote it (no role, no names)
+    sql(
+        released,
+        f'INSERT INTO "{schema}".audit (group_id, action, message_ids, count, reason, actor)'
+        f" SELECT id, 'purge', '[{pruned[0]}]', 1, 'before', 'ops@old'"
+        f' FROM "{schema}".consumer_group',
     )
     ids = publish_as_released(released, schema, 40)
     ready, leased, retrying, outage, poison = (ids[i : i + 8] for i in range(0, 40, 8))
@@ -148,6 +159,10 @@ def test_init_upgrades_a_database_in_use_and_it_drains(released: Engine, schema:
     assert before["totals"] == {"reclaimed": 5, "released": 7, "refunded": 11}
     state, line = monitor.check(released, "g")
     assert (state, line.split(";")[0]) == ("CRITICAL", "CRITICAL: 8 dead rows (8 message)")
+    # version 5: the audit row written before names its group and topic, not a role
+    [before_row] = monitor.audit(released, "g")
+    assert (before_row["actor"], before_row["role"]) == ("ops@old", None)
+    assert (before_row["group"], before_row["topic"]) == ("g", "t")
 
     handled: list[tuple[int, int]] = []
     consumer = pgq.Consumer(
@@ -189,7 +204,7 @@ def test_init_keeps_each_role_able_to_do_its_job(
     log, version 3; group_state, version 4), and no more: the consumer is not refused
     at start and drains, the producer publishes, `pgq breaker` works for the
     administrator."""
-    added = [("group_state", p) for p in ("SELECT", "UPDATE")]
+    added = [("group_state", p) for p in ("SELECT", "UPDATE")] if version < 4 else []
     if version < 3:
         added += [("probe", p) for p in ("SELECT", "INSERT", "DELETE")]
     with (
@@ -213,16 +228,19 @@ def test_init_keeps_each_role_able_to_do_its_job(
                 text(
                     "SELECT has_table_privilege(:admin, :probe, 'INSERT'),"
                     " has_table_privilege(:admin, :state, 'UPDATE'),"
-                    " has_table_privilege(:producer, :state, 'SELECT')"
+                    " has_table_privilege(:producer, :state, 'SELECT'),"
+                    " has_table_privilege(:consumer, :group, 'DELETE')"
                 ),
                 {
                     "admin": admin,
                     "producer": producer,
+                    "consumer": consumer,
                     "probe": f'"{schema}".probe',
                     "state": f'"{schema}".group_state',
+                    "group": f'"{schema}".consumer_group',
                 },
             ).one()
-        assert tuple(granted) == (False, False, False)
+        assert tuple(granted) == (False, False, False, False)
         eng = pgq.connect(producer_dsn, schema=schema)
         try:
             pgq.publish(eng, "t", {"n": 1})
