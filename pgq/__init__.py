@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from pgq.records import Message, RunSummary
     from pgq.settings import Settings, load_settings
     from pgq.store import connect, create_topic, migrate, publish, publish_many, subscribe
+    from pgq.store.lifecycle import delete_topic, topics, unsubscribe
 
 __all__ = [
     "ConfigError",
@@ -56,6 +57,7 @@ __all__ = [
     "UsageError",
     "connect",
     "create_topic",
+    "delete_topic",
     "load_handler",
     "load_settings",
     "migrate",
@@ -63,6 +65,8 @@ __all__ = [
     "publish_many",
     "status",
     "subscribe",
+    "topics",
+    "unsubscribe",
 ]
 
 _HOMES = {
@@ -91,6 +95,8 @@ _HOMES = {
         ("connect", "create_topic", "migrate", "publish", "publish_many", "subscribe"),
         "pgq.store",
     ),
+    # (from their module: `pgq.store.topics` is also a module's name)
+    **dict.fromkeys(("delete_topic", "topics", "unsubscribe"), "pgq.store.lifecycle"),
 }
 """The module each public name comes from."""
 

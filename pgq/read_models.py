@@ -27,6 +27,9 @@ __all__ = [
     "JsonModel",
     "MemberStatus",
     "StatusAll",
+    "TopicGroup",
+    "TopicInfo",
+    "Topics",
     "Totals",
     "iso",
     "json_default",
@@ -232,3 +235,42 @@ class StatusAll:
 
     def to_json(self) -> dict[str, Any]:
         return {"groups": [g.to_json() for g in self.groups]}
+
+
+@dataclass(frozen=True, slots=True)
+class TopicGroup:
+    """One group of a topic, as `pgq topics` lists it (an `ordered` flag comes with
+    ordered groups)."""
+
+    name: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group": self.name}
+
+
+@dataclass(frozen=True, slots=True)
+class TopicInfo:
+    """One topic, as `pgq topics` lists it: the messages it retains and its groups."""
+
+    name: str
+    messages: int
+    groups: tuple[TopicGroup, ...]
+    created_at: dt.datetime
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "topic": self.name,
+            "messages": self.messages,
+            "groups": [g.to_json() for g in self.groups],
+            "created_at": iso(self.created_at),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Topics:
+    """`pgq topics --json`: every topic, by name."""
+
+    topics: tuple[TopicInfo, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"topics": [tp.to_json() for tp in self.topics]}

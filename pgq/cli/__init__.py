@@ -9,6 +9,7 @@
 - `render`: the human lines for status, members, breaker, dead, server status;
 - `setup`: `init`, `topic create`, `subscribe`, `publish` (and its JSON input);
 - `inspect`: `status`, `members`, `breaker`, `dead`, `check`;
+- `lifecycle`: `topics`, `topic delete`, `unsubscribe`;
 - `admin`: `requeue`, `purge`, `show`, `audit`;
 - `grant`: `grant` (least-privilege roles);
 - `consume`: `consume`, its exit codes and signal handlers;

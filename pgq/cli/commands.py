@@ -7,7 +7,7 @@ signals are held (`pgq.cli.startup`).
 
 from __future__ import annotations
 
-from pgq.cli import admin, consume, demo, grant, inspect, server, setup, web
+from pgq.cli import admin, consume, demo, grant, inspect, lifecycle, server, setup, web
 from pgq.cli.base import cli
 
 __all__ = ["cli"]
@@ -15,7 +15,9 @@ __all__ = ["cli"]
 for _command in (
     setup.init,
     setup.topic,
+    lifecycle.topics_command,
     setup.subscribe,
+    lifecycle.unsubscribe_command,
     setup.publish,
     inspect.status,
     inspect.members,
@@ -33,3 +35,4 @@ for _command in (
     web.web,
 ):
     cli.add_command(_command)
+setup.topic.add_command(lifecycle.topic_delete)

@@ -169,7 +169,11 @@ class Heartbeat(Role):
 
         beaten = self.conn.run(beat)
         if beaten is None:
-            logger.error("member name taken over by another process member=%s; stopping", m.name)
+            logger.error(
+                "member row gone (its name taken over by another process, or its group"
+                " removed by pgq unsubscribe) member=%s; stopping",
+                m.name,
+            )
             m.request_stop("signal")
             self.finish.set()
             return

@@ -137,3 +137,10 @@ def lock_timeout() -> Select[tuple[str]]:
     """Make this transaction's statements give up waiting for a lock after `:ms`
     milliseconds (SQLSTATE 55P03, `lock_timeout`); reset at its end."""
     return select(func.set_config(literal("lock_timeout"), bindparam("ms"), true()))
+
+
+def group_key(schema: str, group: str) -> int:
+    """The lock a member's join takes shared and `pgq unsubscribe` exclusively
+    (`xact_lock_shared`, `xact_lock`): a join either commits before the unsubscribe
+    reads who is live, or waits for it and then finds the group gone."""
+    return lock_key(schema, "group", group)

@@ -90,21 +90,38 @@ PRODUCER_TABLES: dict[str, tuple[str, ...]] = {
 PRODUCER_SEQUENCES: dict[str, tuple[str, ...]] = {}
 """Sequence privileges a producer needs: none (message ids are an identity column)."""
 
+ADMIN_REMOVALS: dict[str, tuple[str, ...]] = {
+    "topic": ("DELETE",),  # topic delete
+    "topic.created_at": ("UPDATE",),  # only to lock: unsubscribe and topic delete (FOR UPDATE)
+    "message": ("DELETE",),  # topic delete
+    "consumer_group": ("DELETE",),  # unsubscribe: the group, and the rows it has below
+    "group_state": ("DELETE",),
+    "member": ("DELETE",),
+    "breaker": ("DELETE",),
+    "breaker_history": ("DELETE",),
+    "probe": ("DELETE",),
+}
+"""What `unsubscribe` and `topic delete` need besides the rest of the administrator's
+list (schema version 5 carries them to the roles granted that list before:
+`REMOVALS_CARRIED`)."""
+
 ADMIN_TABLES: dict[str, tuple[str, ...]] = {
-    "topic": ("SELECT",),  # groups by name, with their topic
-    "message": ("SELECT",),  # show
-    "consumer_group": ("SELECT",),  # groups
-    "group_state": ("SELECT",),  # frontier, totals
+    "topic": ("SELECT", *ADMIN_REMOVALS["topic"]),  # groups by name, with their topic
+    "topic.created_at": ADMIN_REMOVALS["topic.created_at"],
+    "message": ("SELECT", *ADMIN_REMOVALS["message"]),  # show
+    "consumer_group": ("SELECT", *ADMIN_REMOVALS["consumer_group"]),  # groups
+    "group_state": ("SELECT", *ADMIN_REMOVALS["group_state"]),  # frontier, totals
     "delivery": ("SELECT", "UPDATE", "DELETE"),  # requeue (locks, updates), purge, counts
-    "member": ("SELECT",),  # status, members, breaker (who probes)
-    "breaker": ("SELECT",),  # status, breaker, check, purge (what a reconciliation owes)
-    "breaker_history": ("SELECT",),  # breaker
-    "probe": ("SELECT",),  # breaker (its probes)
-    "audit": ("SELECT", "INSERT"),  # requeue and purge write it (and return its id)
+    "member": ("SELECT", *ADMIN_REMOVALS["member"]),  # status, members, breaker (who probes)
+    # status, breaker, check, purge (what a reconciliation owes)
+    "breaker": ("SELECT", *ADMIN_REMOVALS["breaker"]),
+    "breaker_history": ("SELECT", *ADMIN_REMOVALS["breaker_history"]),  # breaker
+    "probe": ("SELECT", *ADMIN_REMOVALS["probe"]),  # breaker (its probes)
+    "audit": ("SELECT", "INSERT"),  # every audited change writes it (and returns its id)
 }
 """Table privileges an administrator needs (besides USAGE on the schema): audited
-`requeue` and `purge`, and every read-only command (`status`, `members`,
-`breaker`, `dead`, `check`, `show`, `audit`)."""
+`requeue`, `purge`, `unsubscribe` and `topic delete`, and every read-only command
+(`status`, `members`, `breaker`, `dead`, `check`, `show`, `audit`, `topics`)."""
 
 ADMIN_SEQUENCES: dict[str, tuple[str, ...]] = {}
 """Sequence privileges an administrator needs: none (audit ids are an identity column)."""
@@ -129,6 +146,13 @@ GROUP_STATE_CARRIED: Carried = {
 `group_state`: a role that could update them before (a consumer's) may still, one
 that reads the breaker's history (an administrator, a monitoring role) reads them.
 A producer (SELECT on `consumer_group` only) needs nothing there."""
+
+
+REMOVALS_CARRIED: dict[str, Carried] = {
+    name: {("audit", "INSERT"): privileges} for name, privileges in ADMIN_REMOVALS.items()
+}
+"""Schema version 5 lets an administrator remove groups and topics: a role granted
+INSERT on `audit` before (an administrator's) gets `ADMIN_REMOVALS`, by table."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,7 @@
 - `connections`: the role, lock and LISTEN connections and the retry policy;
 - `group`: the consumer's statements for one group (`GroupStore`);
 - `topics`: topics, groups and publishing;
+- `lifecycle`: listing topics, removing a group or a topic (audited);
 - `migrations`: the versioned schema;
 - `inspect`: the reads behind status, members, breaker, dead and check;
 - `admin`: audited requeue and purge, the reads behind show and audit, and the
@@ -49,6 +50,7 @@ from pgq.store.engine import (
 )
 from pgq.store.errors import translate, wrap_errors
 from pgq.store.group import GroupStore
+from pgq.store.lifecycle import TopicDeleted, Unsubscribed, delete_topic, topics, unsubscribe
 from pgq.store.migrations import LATEST, migrate
 from pgq.store.topics import create_topic, group_info, publish, publish_many, subscribe, to_json
 
@@ -64,11 +66,14 @@ __all__ = [
     "RequeueResult",
     "RoleConnection",
     "SessionLock",
+    "TopicDeleted",
+    "Unsubscribed",
     "check_dsn",
     "connect",
     "conninfo_of",
     "create_topic",
     "database_now",
+    "delete_topic",
     "drop_schema",
     "first_line",
     "group_info",
@@ -89,7 +94,9 @@ __all__ = [
     "schema_of",
     "subscribe",
     "to_json",
+    "topics",
     "translate",
+    "unsubscribe",
     "with_connect_timeout",
     "wrap_errors",
 ]

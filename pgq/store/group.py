@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.sql import Executable
 
-from pgq.errors import PgqError
+from pgq.errors import PgqError, UnknownGroup
 from pgq.logcontext import get_logger
 from pgq.records import (
     BreakerView,
@@ -37,12 +37,20 @@ from pgq.records import (
 from pgq.sql import breaker as breaker_sql
 from pgq.sql import claim as claim_sql
 from pgq.sql import frontier as frontier_sql
+from pgq.sql import lifecycle as lifecycle_sql
 from pgq.sql import locks as locks_sql
 from pgq.sql import members as member_sql
 from pgq.sql import outcomes as outcome_sql
 from pgq.sql import stats as stats_sql
 from pgq.sql import status as status_sql
-from pgq.sql.locks import breaker_flip_key, lock_key, try_xact_lock, xact_lock
+from pgq.sql.locks import (
+    breaker_flip_key,
+    group_key,
+    lock_key,
+    try_xact_lock,
+    xact_lock,
+    xact_lock_shared,
+)
 from pgq.store import placement
 from pgq.store.connections import run_hot
 from pgq.store.engine import schema_of
@@ -741,7 +749,15 @@ class GroupStore:
 
         Two statements (insert a new row, else take the existing one over); a row
         deleted between them (`forget_departed`) makes the name free, so the insert
-        is tried once more. Of concurrent starters exactly one joins."""
+        is tried once more. Of concurrent starters exactly one joins.
+
+        First it waits for an unsubscribe of the group under way (the group lock,
+        shared; `pgq.store.lifecycle.unsubscribe` takes it exclusively), then
+        raises `UnknownGroup` when the group is gone: a member never registers in
+        a removed group."""
+        conn.execute(xact_lock_shared(group_key(schema_of(conn), self.group)))
+        if conn.execute(lifecycle_sql.group_exists(), {"gid": self.gid}).first() is None:
+            raise UnknownGroup(f"group {self.group!r} was removed (pgq unsubscribe)")
         params = {
             "gid": self.gid,
             "member": self.member,

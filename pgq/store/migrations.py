@@ -77,6 +77,10 @@ def _v5_audit_names(conn: Connection) -> None:
     # column gets its default after it is added, so they are not credited to the
     # role that migrates); their names are filled in from the groups that exist.
     # A fresh install already has the columns from version 1 (the tables as declared).
+    # Administrators granted before may remove groups and topics (`pgq unsubscribe`,
+    # `pgq topic delete`) as well.
+    for name, carried in privileges_sql.REMOVALS_CARRIED.items():
+        _granted(conn, carry_grants(conn, name, carried))
     params = {"schema": schema_of(conn), "table": t.audit.name}
     columns = set(conn.execute(upgrade.columns_of(), params).scalars())
     added = [c for c in ("role", "group_name", "topic") if c not in columns]

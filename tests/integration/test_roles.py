@@ -321,7 +321,12 @@ def test_each_producer_privilege_is_needed(orders, as_role, without):
 
 @pytest.fixture
 def dead_ids(orders: Engine) -> list[int]:
-    """Three dead rows of group `billing` (their handler raised `PermanentError`)."""
+    """Three dead rows of group `billing` (their handler raised `PermanentError`); and a
+    group `leaving` on the same topic and a topic `spare` without groups, for the
+    administrator to remove."""
+    pgq.subscribe(orders, "leaving", "orders")
+    pgq.create_topic(orders, "spare")
+    pgq.publish(orders, "spare", {"n": 0})
     ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(3)])
 
     def refuse(msg: pgq.Message) -> None:
@@ -351,6 +356,9 @@ def admin_refusals(role: Role, ids: list[int]) -> set[str]:
         "purge older": lambda: purge(eng, "billing", older_than=3600, reason="roles"),
         "show": lambda: monitor.message(eng, "billing", ids[0]),
         "audit": lambda: monitor.audit(eng, "billing"),
+        "topics": lambda: pgq.topics(eng),
+        "unsubscribe": lambda: pgq.unsubscribe(eng, "leaving", reason="roles"),
+        "topic delete": lambda: pgq.delete_topic(eng, "spare", reason="roles"),
     }
     refused = set()
     for what, do in work.items():
@@ -366,6 +374,10 @@ def test_exactly_the_admin_privileges_do_every_admin_command(orders, as_role, de
     trail = monitor.audit(orders, "billing")
     # the requeue of all and the purges found nothing: no audit row (issue 21)
     assert [(a["action"], a["count"]) for a in reversed(trail)] == [("requeue", 1), ("requeue", 2)]
+    [removed] = monitor.audit(orders, "leaving")
+    assert (removed["action"], removed["count"]) == ("unsubscribe", 3)
+    [deleted] = monitor.audit(orders, None, topic="spare")
+    assert (deleted["action"], deleted["count"]) == ("delete-topic", 1)
 
 
 @pytest.mark.parametrize("without", everything("admin"), ids="-".join)
@@ -383,7 +395,7 @@ def test_select_on_every_table_is_enough_to_inspect(orders, as_role, dead_ids, s
         conn.exec_driver_sql(f'GRANT USAGE ON SCHEMA "{schema}" TO {who}')
         conn.exec_driver_sql(f'GRANT SELECT ON ALL TABLES IN SCHEMA "{schema}" TO {who}')
     changes = {"requeue ids", "requeue class", "requeue all", "purge", "purge older"}
-    assert admin_refusals(role, dead_ids) == changes
+    assert admin_refusals(role, dead_ids) == changes | {"unsubscribe", "topic delete"}
     assert pgq.status(orders, "billing")["counts"]["dead"] == 3
 
 
@@ -399,6 +411,8 @@ def test_the_consumer_role_inspects_all_but_show_and_audit(orders, as_role, dead
         "purge older",
         "show",
         "audit",
+        "unsubscribe",
+        "topic delete",
     }
 
 

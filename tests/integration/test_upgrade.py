@@ -20,6 +20,7 @@ from sqlalchemy import Engine, text
 
 import pgq
 from pgq import monitor
+from pgq.sql.privileges import ADMIN_REMOVALS
 from pgq.store import run_once
 from pgq.store.migrations import LATEST
 from pgq.store.privileges import require_privileges
@@ -194,6 +195,13 @@ def test_init_upgrades_a_database_in_use_and_it_drains(released: Engine, schema:
     [probe] = monitor.breaker_info(released, "g")["probes"]
     assert (probe["epoch"], probe["outcome"], probe["member"]) == (1, "succeeded", consumer.name)
     assert probe["message_id"] in ids
+    # the upgraded group can be removed, and its trail, old rows too, still read
+    pgq.unsubscribe(released, "g", reason="after the upgrade")
+    trail = monitor.audit(released, "g")
+    assert [(a["action"], a["reason"]) for a in trail] == [
+        ("unsubscribe", "after the upgrade"),
+        ("purge", "before"),
+    ]
 
 
 def test_init_keeps_each_role_able_to_do_its_job(
@@ -201,15 +209,17 @@ def test_init_keeps_each_role_able_to_do_its_job(
 ):
     """Roles granted a producer's, a consumer's and an administrator's privileges
     before the upgrade get what their job needs on the tables added since (the probe
-    log, version 3; group_state, version 4), and no more: the consumer is not refused
-    at start and drains, the producer publishes, `pgq breaker` works for the
-    administrator."""
+    log, version 3; group_state, version 4) and for what it can do since (an
+    administrator removes groups and topics, version 5), and no more: the consumer
+    is not refused at start and drains, the producer publishes, `pgq breaker` works
+    for the administrator."""
     added = [("group_state", p) for p in ("SELECT", "UPDATE")] if version < 4 else []
     if version < 3:
         added += [("probe", p) for p in ("SELECT", "INSERT", "DELETE")]
+    removals = [(name, p) for name, ps in ADMIN_REMOVALS.items() for p in ps]
     with (
         consumer_role(pg_dsn, schema, without=added) as (consumer, consumer_dsn),
-        job_role(pg_dsn, schema, "admin", without=added) as (admin, admin_dsn),
+        job_role(pg_dsn, schema, "admin", without=added + removals) as (admin, admin_dsn),
         job_role(pg_dsn, schema, "producer", without=added) as (producer, producer_dsn),
     ):
         # what an earlier version granted a consumer besides: the frontier and the
