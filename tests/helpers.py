@@ -26,7 +26,7 @@ from sqlalchemy import Engine, select, update
 import pgq
 from pgq import schema as t
 from pgq.sql import frontier as frontier_sql
-from pgq.store import group_info
+from pgq.store import GroupStore, group_info
 
 if TYPE_CHECKING:
     from click.testing import Result
@@ -304,6 +304,21 @@ def read_ids(out: Path, kind: str, tag: str = "*") -> list[int]:
     for path in sorted(out.glob(f"{kind}-{tag}")):
         ids.extend(int(line.split()[0]) for line in path.read_text().splitlines() if line)
     return ids
+
+
+def expire_all(engine: Engine, topic: str = "orders") -> int:
+    """Retention (retention 0) of `topic` as a member runs it, until nothing is left."""
+    with engine.connect() as conn:
+        topic_id = conn.execute(select(t.topic.c.id).where(t.topic.c.name == topic)).scalar_one()
+    store = GroupStore(0, "-", topic, "retention", 30.0, 3)
+    total = 0
+    with engine.connect() as conn:
+        while True:
+            with conn.begin():
+                deleted = store.expire_messages(conn, topic_id, 0.0)
+            if not deleted:
+                return total
+            total += deleted
 
 
 def set_rows(engine: Engine, ids: list[int], **values: Any) -> None:

@@ -21,6 +21,7 @@ from helpers import (
     FAST,
     assert_usage_error,
     db_now,
+    expire_all,
     invoke,
     kill,
     rows,
@@ -84,21 +85,6 @@ def refuse_audit_rows(engine: Engine, schema: str) -> None:
                 f' FOR EACH ROW EXECUTE FUNCTION "{schema}".refuse()'
             )
         )
-
-
-def expire_all(engine: Engine, topic: str = "orders") -> int:
-    """Retention (retention 0) of `topic` as a member runs it, until nothing is left."""
-    with engine.connect() as conn:
-        topic_id = conn.execute(select(t.topic.c.id).where(t.topic.c.name == topic)).scalar_one()
-    store = GroupStore(0, "-", topic, "retention", 30.0, 3)
-    total = 0
-    with engine.connect() as conn:
-        while True:
-            with conn.begin():
-                deleted = store.expire_messages(conn, topic_id, 0.0)
-            if not deleted:
-                return total
-            total += deleted
 
 
 # --- pgq show ------------------------------------------------------------------------

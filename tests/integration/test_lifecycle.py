@@ -13,14 +13,13 @@ import threading
 from typing import Any
 
 import pytest
-from helpers import FAST, assert_usage_error, invoke, wait_until, waiting_on
+from helpers import FAST, assert_usage_error, expire_all, invoke, wait_until, waiting_on
 from sqlalchemy import Engine, func, insert, select, text, update
 
 import pgq
 from pgq import monitor
 from pgq import schema as t
 from pgq.errors import UnknownGroup, UnknownTopic, UsageError
-from pgq.store import GroupStore
 
 GROUP, ABANDONED = "billing", "abandoned"
 
@@ -47,21 +46,6 @@ def gid_of(engine: Engine, group: str) -> int:
     with engine.connect() as conn:
         g = t.consumer_group
         return int(conn.execute(select(g.c.id).where(g.c.name == group)).scalar_one())
-
-
-def expire_all(engine: Engine, topic: str = "orders") -> int:
-    """Retention with retention 0, as a member runs it, until nothing is left."""
-    with engine.connect() as conn:
-        topic_id = conn.execute(select(t.topic.c.id).where(t.topic.c.name == topic)).scalar_one()
-    store = GroupStore(0, "-", topic, "retention", 30.0, 3)
-    total = 0
-    with engine.connect() as conn:
-        while True:
-            with conn.begin():
-                deleted = store.expire_messages(conn, topic_id, 0.0)
-            if not deleted:
-                return total
-            total += deleted
 
 
 # --- pgq topics ----------------------------------------------------------------------
