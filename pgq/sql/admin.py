@@ -230,11 +230,12 @@ def _audited(action: str, changed: Any) -> Insert:
 @cache
 def insert_audit(action: str) -> Insert:
     """Insert the audit row of `action` with `:ids` (a JSON array, as text) and
-    `:count` (see `_audit_values` for the rest); returns its id."""
+    `:count` (see `_audit_values` for the rest); returns its id. A plain `VALUES`
+    insert: on Citus routed to the shard of `:gid`."""
     values = _audit_values(
         action, cast(bindparam("ids", type_=Text), JSONB), bindparam("count", type_=BigInteger)
     )
-    return insert(audit).from_select(list(AUDIT_COLUMNS), select(*values)).returning(audit.c.id)
+    return insert(audit).values(dict(zip(AUDIT_COLUMNS, values, strict=True))).returning(audit.c.id)
 
 
 def _requeue(only_ids: bool, of_class: bool = False) -> Executable:
