@@ -170,8 +170,8 @@ class Heartbeat(Role):
         beaten = self.conn.run(beat)
         if beaten is None:
             logger.error(
-                "member row gone (its name taken over by another process, or its group"
-                " removed by pgq unsubscribe) member=%s; stopping",
+                "member name taken over by another process, or its group removed"
+                " (pgq unsubscribe) member=%s; stopping",
                 m.name,
             )
             m.request_stop("signal")
