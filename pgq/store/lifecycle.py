@@ -74,7 +74,7 @@ def topics(engine: Engine) -> Topics:
     )
 
 
-def _lock_topic(conn: Connection, topic: str) -> int | None:
+def lock_topic(conn: Connection, topic: str) -> int | None:
     """Lock topic `topic` as a subscribe does (exclusively: publishers and retention
     of the topic wait for this transaction, and it for them); its id, None when
     there is no such topic. A statement of its own: the later ones see every
@@ -125,7 +125,7 @@ def unsubscribe(
     with wrap_errors(), engine.begin() as conn:
         conn.execute(xact_lock(group_key(schema_of(conn), group)))
         info = group_info(conn, group)
-        if _lock_topic(conn, info.topic) is None:  # not while the group exists
+        if lock_topic(conn, info.topic) is None:  # not while the group exists
             raise UnknownTopic(f"unknown topic {info.topic!r}")
         params.update(audit_names(info))
         live = lock_holders(conn, info.id, "", ttl=member_ttl)["present_names"]
@@ -177,7 +177,7 @@ def delete_topic(
         "topic": name,
     }
     with wrap_errors(), engine.begin() as conn:
-        topic_id = _lock_topic(conn, name)
+        topic_id = lock_topic(conn, name)
         if topic_id is None:
             raise UnknownTopic(f"unknown topic {name!r}")
         params["topic_id"] = topic_id
@@ -199,6 +199,7 @@ __all__ = [
     "TopicDeleted",
     "Unsubscribed",
     "delete_topic",
+    "lock_topic",
     "topics",
     "unsubscribe",
 ]

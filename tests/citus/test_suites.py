@@ -8,14 +8,15 @@ its own in the coordinator's database, migrated with
 README's one `pytest` (what `.ci/run` runs) covers the cluster too. A selection
 fails with the tail of the child's output; skipped without `PGQ_CITUS_DSN`.
 
-The selection is of tests about behaviour a user relies on (publish and
-subscribe, draining exactly once, out-of-order commits, a `kill -9` and its
-reclaim, an outage of three members, reconciliation, retention, the history
-checker), not about single-server internals (plans, `pg_stat_*`, the embedded
-server, roles). Left out on purpose: the `test_races.py` tests that wait for a
-backend's `Lock` wait in `pg_stat_activity` (on Citus today the topic row lock
-is taken on a worker's shard of the reference table, so the coordinator's
-backend never shows it: they time out, not fail; 0023 §3.4). Run one by hand, e.g.
+The selection is of tests about behaviour a user relies on (publish and subscribe,
+draining exactly once, out-of-order commits, a `kill -9` and its reclaim, an outage
+of three members, reconciliation, retention, removing a group or a topic and the
+audit trail, the history checker), not about single-server internals (plans,
+`pg_stat_*`, the embedded server, roles). Left out on purpose: the `test_races.py`
+tests that wait for a backend's `Lock` wait in `pg_stat_activity` (on Citus today
+the topic row lock is taken on a worker's shard of the reference table, so the
+coordinator's backend never shows it: they time out, not fail; 0023 §3.4). Run one
+by hand, e.g.
 
     PGQ_TEST_DSN=postgresql://postgres@127.0.0.1:9701/postgres PGQ_TEST_DISTRIBUTED=1 \\
         pytest tests/acceptance/test_consume_cli.py::test_until_empty_drains_five_thousand_messages
@@ -106,6 +107,14 @@ SUITES: dict[str, tuple[float, list[str]]] = {
         [
             f"{INT}/test_races.py::test_retention_deletes_what_every_group_finished_despite_dead_and_ready_rows",
             f"{INT}/test_races.py::test_subscribes_racing_retention_never_leave_a_row_without_its_message",
+        ],
+    ),
+    "group_lifecycle": (
+        60,
+        [
+            f"{INT}/test_lifecycle.py",
+            f"{INT}/test_audit_trail.py::test_a_requeue_or_purge_that_matched_nothing_writes_no_audit_row",
+            f"{INT}/test_audit_trail.py::test_audit_never_crashes_on_what_the_table_holds",
         ],
     ),
     "history": (HISTORY_SECONDS + 90, ["tests/chaos/test_topics.py"]),

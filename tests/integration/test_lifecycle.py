@@ -20,6 +20,11 @@ import pgq
 from pgq import monitor
 from pgq import schema as t
 from pgq.errors import UnknownGroup, UnknownTopic, UsageError
+from pgq.sql import lifecycle as lifecycle_sql
+from pgq.sql.locks import topic_key, topic_lock
+from pgq.sql.publish import lock_topic_for_publish
+from pgq.store import placement
+from pgq.store.lifecycle import lock_topic
 
 GROUP, ABANDONED = "billing", "abandoned"
 
@@ -183,7 +188,7 @@ def test_unsubscribe_is_refused_while_a_member_is_live_unless_forced(orders, pgq
     assert count(orders, t.member) == 0 and count(orders, t.consumer_group, name=ABANDONED) == 0
 
 
-def test_a_member_that_starts_during_an_unsubscribe_fails_cleanly(orders, pg_dsn, schema):
+def test_a_member_that_starts_during_an_unsubscribe_fails_cleanly(orders, schema):
     """The unsubscribe waits on a publisher's topic lock (it holds the group lock by
     then); a member starting meanwhile waits for it, then finds the group gone."""
     results: dict[str, Any] = {}
@@ -198,14 +203,15 @@ def test_a_member_that_starts_during_an_unsubscribe_fails_cleanly(orders, pg_dsn
             results["member"] = exc
 
     with orders.connect() as publisher, publisher.begin():
-        # a publish in flight: the topic row locked FOR KEY SHARE
-        publisher.execute(
-            text(f"SELECT id FROM \"{schema}\".topic WHERE name = 'orders' FOR KEY SHARE")
-        )
+        # a publish in flight: the topic lock held shared, as a publish holds it
+        if placement.distributed(publisher):
+            publisher.execute(topic_lock(shared=True), {"key": topic_key(schema, "orders")})
+        else:
+            publisher.execute(lock_topic_for_publish(), {"topic": "orders"})
         pid = publisher.execute(text("SELECT pg_backend_pid()")).scalar_one()
         remover = threading.Thread(target=unsubscribe)
         remover.start()
-        wait_until(lambda: waiting_on(orders, pid, "%FOR UPDATE%"), 10, "the unsubscribe")
+        wait_until(lambda: waiting_on(orders, pid), 10, "the unsubscribe")
         joiner = threading.Thread(target=start)
         joiner.start()
         wait_until(
@@ -258,7 +264,7 @@ def test_topic_delete_is_refused_while_a_group_is_subscribed_then_audited(orders
     assert_usage_error(result.exit_code, result.stderr, contains="not both")
 
 
-def test_a_topic_delete_waits_for_publishers_and_a_late_publish_finds_no_topic(orders, schema):
+def test_a_publish_waiting_for_a_topic_delete_finds_no_topic(orders):
     pgq.unsubscribe(orders, GROUP, reason="x")
     pgq.unsubscribe(orders, ABANDONED, reason="x")
     results: dict[str, Any] = {}
@@ -270,13 +276,13 @@ def test_a_topic_delete_waits_for_publishers_and_a_late_publish_finds_no_topic(o
             results["late"] = exc
 
     with orders.connect() as deleter, deleter.begin():
-        # the delete's own lock, taken as it takes it, held while a publisher arrives
-        deleter.execute(text(f"SELECT id FROM \"{schema}\".topic WHERE name = 'orders' FOR UPDATE"))
+        # the delete's own lock and statement, with a publisher arriving between them
+        topic_id = lock_topic(deleter, "orders")
         pid = deleter.execute(text("SELECT pg_backend_pid()")).scalar_one()
         late = threading.Thread(target=publish_late)
         late.start()
         wait_until(lambda: waiting_on(orders, pid), 10, "the publisher to wait")
-        deleter.execute(text(f"DELETE FROM \"{schema}\".topic WHERE name = 'orders'"))
+        deleter.execute(lifecycle_sql.delete_topic(), {"topic_id": topic_id})
     late.join(15)
     assert isinstance(results.get("late"), UnknownTopic), results
     assert count(orders, t.message) == 0
