@@ -136,6 +136,7 @@ def test_the_dashboard_shows_every_shape_of_audit_row(orders, schema):
         server.close()
     assert answer.status == 200, body[:500]
     assert all(shape in body for shape in SHAPES)
+    assert "<th>role</th>" in body  # rows written without one show `-`
 
 
 def test_the_audit_row_records_the_database_role_beside_the_os_user(orders, pg_dsn, schema):
