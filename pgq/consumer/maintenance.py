@@ -26,7 +26,7 @@ from pgq.consumer.member import REFUSALS, Member, Role
 from pgq.errors import DatabaseUnavailable, LockNotAvailable, PgqError, TransactionConflict
 from pgq.logcontext import carrying, get_logger
 from pgq.store import RoleConnection
-from pgq.store.group import EXPIRE_BATCH
+from pgq.store.housekeeping import EXPIRE_BATCH
 from pgq.store.members import forget_departed
 
 logger = get_logger("pgq.consumer")

@@ -145,7 +145,7 @@ CLAIMED = (
 
 @cache
 def token_block() -> Executable:
-    """A new block of lease tokens for a member (`pgq.store.group.LeaseTokens`)."""
+    """A new block of lease tokens for a member (`pgq.store.scope.LeaseTokens`)."""
     return select(t.lease_token.next_value())
 
 

@@ -3,7 +3,8 @@
 - `engine`: where PostgreSQL comes from (`connect`) and the schema in use;
 - `errors`: driver errors become pgq errors, by SQLSTATE class;
 - `connections`: the role, lock and LISTEN connections and the retry policy;
-- `group`: the consumer's statements for one group (`GroupStore`);
+- `group`: the consumer's statements for one group (`GroupStore`), by concern in
+  `scope`, `claims`, `outcomes`, `breaker`, `housekeeping` and `membership`;
 - `topics`: topics, groups and publishing;
 - `lifecycle`: listing topics, removing a group or a topic (audited);
 - `migrations`: the versioned schema;

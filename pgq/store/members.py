@@ -1,8 +1,8 @@
 """Forgetting departed members: the statement behind the maintenance task that keeps
 the member table from growing by one row per `--until-empty` run, for ever.
 
-The statements of a member's own life (join, heartbeat, leave) are `GroupStore`'s;
-this one is about the other members of the group.
+The statements of a member's own life (join, heartbeat, leave) are in
+`pgq.store.membership`; this one is about the other members of the group.
 """
 
 from __future__ import annotations

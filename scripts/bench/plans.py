@@ -6,7 +6,7 @@ themselves, so it reads pgq's statement catalogue (`pgq.sql.claim.claim`,
 `pgq.sql.outcomes.ack_done`), compiles them the way the store's hot path does
 (`pgq.store.run_hot`: the schema rendered in, psycopg's named placeholders),
 and leases real rows through `pgq.store.GroupStore` (found with
-`pgq.store.group_info`; arrays passed as `pgq.store.group.int_array` text, as
+`pgq.store.group_info`; arrays passed as `pgq.store.scope.int_array` text, as
 the store sends them). Those imports sit inside the function, so a move of the
 internals breaks only the EXPLAIN of `backlog`, never the rest of the bench.
 
@@ -87,7 +87,7 @@ def explain_paths(engine: Any, schema: str = SCHEMA) -> dict[str, str]:
     from pgq.sql.claim import claim
     from pgq.sql.outcomes import ack_done
     from pgq.store import GroupStore, group_info
-    from pgq.store.group import int_array
+    from pgq.store.scope import int_array
 
     info = group_info(engine, GROUP)
     store = GroupStore(info.id, GROUP, info.topic, "bench-explain", 30.0, 3)

@@ -221,7 +221,7 @@ def test_members_coming_and_going_between_the_reads_undo_the_open(engine: Engine
     the dead one live and the leavers gone: 2 of 2, OPEN, a quorum that never existed
     (docs/defects.md). The holders read again after
     the statement differ, so the open is undone; the transaction goes on."""
-    import pgq.store.group as group_store
+    import pgq.store.breaker as breaker_store
 
     gid = fresh_group(engine)
     table = f'"{schema_of(engine)}".member'
@@ -242,7 +242,7 @@ def test_members_coming_and_going_between_the_reads_undo_the_open(engine: Engine
     for name in ("healthy-1", "healthy-2"):
         params = {"gid": gid, "member": name, "table": table}
         assert keep.execute(take_session_lock(), params).scalar()
-    read = group_store.lock_holders
+    read = breaker_store.lock_holders
     calls = []
 
     def between(conn, *args, **kwargs):
@@ -257,7 +257,7 @@ def test_members_coming_and_going_between_the_reads_undo_the_open(engine: Engine
             )
         return held
 
-    monkeypatch.setattr(group_store, "lock_holders", between)
+    monkeypatch.setattr(breaker_store, "lock_holders", between)
     try:
         with engine.begin() as conn:
             opened = decider(gid).open_on_quorum(conn, EPOCH, ttl=TTL, min_members=2, quorum=0.75)

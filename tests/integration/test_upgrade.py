@@ -294,7 +294,7 @@ def test_leases_taken_with_the_global_token_are_acked_after_the_upgrade(
 
     from pgq.records import Claimed, Lease, Message, Outcome
     from pgq.store import GroupStore, group_info
-    from pgq.store.group import TOKEN_BITS
+    from pgq.store.scope import TOKEN_BITS
 
     engine = any_version
     a, b, c = pgq.publish_many(engine, "t", [{"n": i} for i in range(3)])

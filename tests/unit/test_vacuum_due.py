@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pgq.store.group import vacuum_due
+from pgq.store.housekeeping import vacuum_due
 
 
 @pytest.mark.parametrize(
