@@ -112,7 +112,11 @@ class Link:
         """`close` was asked for: the role whose turn outlasted it closes the link."""
         self._cancelling = threading.Lock()
         """Held while a cancel request is in flight: the role it targets cannot end
-        its turn meanwhile, so the request never reaches the next role's statement."""
+        its turn meanwhile."""
+        self._cancel_sent = False
+        """A cancel request went out during this turn: the session may still hold it
+        (the server acts on it at its next interrupt check, which can come in the
+        next statement), so the turn's end throws the session away."""
         self._hooks: list[Callable[[Connection], None]] = []
 
     def connection(self) -> Connection:
@@ -184,6 +188,9 @@ class Link:
         asked for while the turn went on."""
         with self._cancelling:
             self.running = None
+            cancel_sent, self._cancel_sent = self._cancel_sent, False
+        if cancel_sent:
+            self.discard()  # no request left pending can reach the next role's statement
         if self.closing:
             self.closing = False
             self._close()
@@ -207,6 +214,7 @@ class Link:
             with contextlib.suppress(Exception):
                 driver = conn.connection.driver_connection
                 if driver is not None:
+                    self._cancel_sent = True
                     driver.cancel_safe(timeout=timeout)
 
 

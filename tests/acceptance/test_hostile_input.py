@@ -126,10 +126,13 @@ def test_status_and_check_never_print_the_secrets_of_a_dsn(
     check = invoke(pgq_env, "--log-format", log_format, "--dsn", dsn, "check", "billing")
     assert check.exit_code == 3, check.output
     _assert_no_secret(secrets, check.output)
-    for output, start in ((status.output, "pgq: error: "), (check.output, "UNKNOWN: ")):
+    error_start = "pgq: error: " if log_format == "text" else '{"time": '
+    for output, start in ((status.output, error_start), (check.output, "UNKNOWN: ")):
         # a password in --dsn is warned about first (a log line; see below)
         [line] = [x for x in output.splitlines() if "password on the command line" not in x]
         assert line.startswith(start)
+        if start == error_start and log_format == "json":  # one JSON object, exit 2
+            assert json.loads(line)["exit_code"] == 2, line
         if readable:  # the address is described, as libpq read it
             assert "host=127.0.0.1" in line
         else:
@@ -162,6 +165,11 @@ def test_consume_retries_never_print_the_secrets_of_a_dsn(
             assert all("host=127.0.0.1" in line for line in retries), err
             if log_format == "json":
                 assert all(json.loads(line)["level"] == "WARNING" for line in retries)
+        elif log_format == "json":  # the error is one JSON object (DESIGN §7)
+            [line] = err.splitlines()
+            event = json.loads(line)
+            assert (code, event["exit_code"]) == (2, 2), err
+            assert "must be percent-encoded" in event["error"], err
         else:
             assert_usage_error(code, err, contains="must be percent-encoded")
 

@@ -9,7 +9,7 @@ import signal
 import urllib.parse
 
 import pytest
-from helpers import assert_usage_error, finish, invoke, spawn_pgq, wait_until
+from helpers import assert_usage_error, finish, invoke, kill, spawn_pgq, wait_until
 
 import pgq
 import pgq.monitor
@@ -67,6 +67,7 @@ def test_a_tokens_file_names_who_changed_what(engine, pgq_env, tmp_path):
     """`pgq web --admin --tokens-file` as a real process: bob's token purges as bob."""
     pgq.create_topic(engine, "t")
     pgq.subscribe(engine, "g", "t")
+    kill(engine, pgq.publish_many(engine, "t", [{"n": 1}]), "message")  # something to purge
     tokens = tmp_path / "tokens"
     tokens.write_text(f"# on call\nalice:{ALICE}\nbob:{BOB}\n")
     tokens.chmod(0o644)  # readable by others: a warning, not a refusal
