@@ -7,7 +7,10 @@ engine's own pool (`ConsumerCollector._group_status`, `monitor.check`), not
 through one of its three role connections: concurrent scrapes (Prometheus
 with two replicas, a human with curl) open more connections, named after
 nothing pgq knows (libpq's default `application_name`), and those reads run
-without the read deadline the dashboard has.
+without the read deadline the dashboard has: while the route to the database
+stops answering (the chaos proxy's `stall`), a scrape hangs for as long as the
+stall lasts instead of answering what the member knows from memory (its
+counts, breakers, histograms) within Prometheus' default scrape timeout (10 s).
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import threading
 import urllib.request
 
 import pytest
-from helpers import consumer_env, finish, spawn_pgq, wait_until
+from chaos.proxy import Proxy
+from helpers import consumer_env, finish, reap, spawn_pgq, wait_until
 from sqlalchemy import Engine, text
 
 pytest.importorskip("prometheus_client")
@@ -97,3 +101,47 @@ def _answers(scrape) -> bool:
     except OSError:
         return False
     return True
+
+
+SCRAPE_TIMEOUT = 10.0
+"""Prometheus' default `scrape_timeout`."""
+
+
+def test_a_scrape_answers_while_the_database_does_not(orders: Engine, pg_dsn, pgq_env, tmp_path):
+    port = free_port()
+    with Proxy.for_dsn(pg_dsn) as proxy:
+        env = consumer_env(
+            {**pgq_env, "PGQ_DSN": proxy.dsn(pg_dsn)},
+            tmp_path,
+            PGQ_BREAKER_HEARTBEAT=0.2,
+            PGQ_BREAKER_MEMBER_TTL=1.0,
+            PGQ_POLL_INTERVAL=0.1,
+        )
+        proc = spawn_pgq(
+            env,
+            *("consume", "billing", "--handler", "handlers:record"),
+            *("--metrics-port", str(port)),
+        )
+        try:
+
+            def scrape() -> None:
+                url = f"http://127.0.0.1:{port}/metrics"
+                with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT) as resp:
+                    resp.read()
+
+            wait_until(lambda: _answers(scrape), 30, "the metrics endpoint")
+            proxy.stall()  # the database stops answering; nothing is closed
+            try:
+                try:
+                    scrape()
+                except OSError as exc:
+                    raise AssertionError(
+                        f"a scrape got no answer within {SCRAPE_TIMEOUT:g}s"
+                        f" while the database did not answer: {exc!r}"
+                    ) from None
+            finally:
+                proxy.resume()
+            proc.send_signal(signal.SIGTERM)
+            finish(proc, 60)
+        finally:
+            reap(proc)
