@@ -11,6 +11,8 @@ handler, and `warnings` print themselves, as bare text on the same stderr:
 - a handler's own log calls (`logging.getLogger("shop").warning(...)`) and
   warnings (`warnings.warn`), inside `pgq consume`.
 
+And one pgq event of a member lacks the member's fields: `serving metrics`.
+
 A log shipper reading `pgq consume --log-format json` then gets lines it cannot
 parse, mixed with the JSON ones.
 """
@@ -81,3 +83,41 @@ def test_a_handlers_own_log_lines_and_warnings_are_json_lines(orders, pgq_env, t
     assert out.returncode == 0, out.stderr
     assert pgq.status(orders, "billing")["counts"]["done"] == 2
     assert not not_json(out.stderr), out.stderr
+
+
+def test_the_metrics_endpoint_line_of_a_member_names_its_group_and_member(
+    orders, pgq_env, tmp_path
+):
+    """`serving metrics host=... port=...` is this member's endpoint (its group's
+    numbers, its name as a label), logged by `pgq.metrics.serving_metrics` on a
+    plain logger before the member binds its fields: the one event of the run
+    without `group` and `member`."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    pgq.publish_many(orders, "orders", [{"n": 1}])
+    env = consumer_env(pgq_env, tmp_path, PGQ_POLL_INTERVAL=0.1)
+    member_args = (
+        "--handler",
+        "handlers:record",
+        "--until-empty",
+        "--name",
+        "m1",
+        "--metrics-port",
+    )
+    out = subprocess.run(
+        [*PGQ, "--log-format", "json", "consume", "billing", *member_args, str(port)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in out.stderr.splitlines()]
+    assert any(e["message"].startswith("serving metrics") for e in events), out.stderr
+    unnamed = [
+        e["message"] for e in events if e.get("group") != "billing" or e.get("member") != "m1"
+    ]
+    assert not unnamed, unnamed
