@@ -5,7 +5,8 @@ waitress answers into the connection's buffer; past `outbuf_high_watermark`
 (16 MB) the task thread waits until the client reads. A client that never
 reads (zero receive window) makes it wait for ever: `Limits.overdue` never
 closes a connection that is `busy`, and waitress's own idle check skips it
-too. Pipelined requests for a 1 MB page (a message with a 500 kB payload; a
+too; a client that reads a trickle (1 kB every 0.2 s) is not idle either,
+and holds its thread as long. Pipelined requests for a 1 MB page (a message with a 500 kB payload; a
 group page with 200 dead rows is 100 kB) fill 16 MB from one 8 kB read; one
 such socket per thread (eight) and the dashboard answers nobody again until
 the attackers go away. Real sockets against a real server over real
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import socket
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -56,11 +58,21 @@ def healthz(url: str) -> tuple[int | str, float]:
 
 
 @contextlib.contextmanager
-def non_readers(url: str, path: str, count: int) -> Iterator[None]:
-    """`count` sockets that each send `PIPELINED` GETs of `path` and never read."""
+def slow_readers(url: str, path: str, count: int, trickle: bool) -> Iterator[None]:
+    """`count` sockets that each send `PIPELINED` GETs of `path`, then never read
+    (`trickle` False) or read 1 kB every 0.2 s, forever (`trickle`: every byte the
+    server sends is progress)."""
     parts = urllib.parse.urlsplit(url)
     request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode() * PIPELINED
-    socks = []
+    socks: list[socket.socket] = []
+    stop = threading.Event()
+
+    def read_slowly(s: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while not stop.wait(0.2) and s.recv(1024):
+                pass
+
+    readers = []
     try:
         for _ in range(count):
             s = socket.socket()
@@ -69,8 +81,14 @@ def non_readers(url: str, path: str, count: int) -> Iterator[None]:
             s.connect((parts.hostname, parts.port))
             s.sendall(request)
             socks.append(s)
+            if trickle:
+                readers.append(threading.Thread(target=read_slowly, args=(s,), daemon=True))
+                readers[-1].start()
         yield
     finally:
+        stop.set()
+        for th in readers:
+            th.join(10)
         for s in socks:
             s.close()
 
@@ -87,7 +105,10 @@ def stalled_answers(server: WebServer) -> int:
 
 
 @pytest.mark.slow
-def test_clients_that_never_read_a_big_page_do_not_hold_every_thread(engine: Engine) -> None:
+@pytest.mark.parametrize("trickle", [False, True], ids=["never-read", "read-a-trickle"])
+def test_clients_that_do_not_read_a_big_page_do_not_hold_every_thread(
+    engine: Engine, trickle: bool
+) -> None:
     pgq.create_topic(engine, "t")
     pgq.subscribe(engine, "g", "t")
     big = pgq.publish(engine, "t", {"blob": "x" * 500_000})
@@ -96,7 +117,7 @@ def test_clients_that_never_read_a_big_page_do_not_hold_every_thread(engine: Eng
     try:
         status, took = healthz(server.url)
         assert status == 200, (status, took)
-        with non_readers(server.url, f"/groups/g/messages/{big}", THREADS):
+        with slow_readers(server.url, f"/groups/g/messages/{big}", THREADS, trickle):
             # until every thread's answer is stuck (or 30 s: a fixed server may never be)
             deadline = time.monotonic() + 30
             while stalled_answers(server) < THREADS and time.monotonic() < deadline:
@@ -104,7 +125,7 @@ def test_clients_that_never_read_a_big_page_do_not_hold_every_thread(engine: Eng
             status, took = healthz(server.url)
             assert status == 200, (
                 f"/healthz: {status} after {took:.1f}s;"
-                f" {stalled_answers(server)} answers stalled on clients that never read"
+                f" {stalled_answers(server)} answers stalled on clients that do not read them"
             )
     finally:
         server.close()
