@@ -88,22 +88,34 @@ def _groups() -> Select[Any]:
 
 @cache
 def oldest_ready() -> Select[Any]:
-    """`age_s`: seconds the oldest row of group `:group_id` that is ready now (state
-    ready, `available_at <= now()`) has been claimable, `now() - available_at`; NULL
-    when no row is ready now.
+    """`age_s`: seconds the oldest row of group `:group_id` that is claimable now has
+    been so; NULL when none is. Claimable now: ready with `available_at` passed
+    (waiting since `available_at`), or leased with its lease run out (waiting since
+    `lease_expires_at`: a member killed while it held rows leaves them leased, and
+    with no live member to sweep them nothing else says they wait).
 
     One probe of `delivery_ready_idx` (group_id, available_at, message_id WHERE
-    ready): the planner rewrites the `min` into an index-only scan under a
-    `LIMIT 1` whose index condition is the group and the bound, so its cost does
+    ready) and one of `delivery_leased_idx` (group_id, lease_expires_at WHERE
+    leased): the planner rewrites each `min` into an index-only scan under a
+    `LIMIT 1` whose index condition is the group and the bound, so the cost does
     not grow with the lag (`status` runs it once per group).
     """
     d = t.delivery
-    waited = func.now() - func.min(d.c.available_at)
-    return select(cast(func.extract("epoch", waited), Float).label("age_s")).where(
-        d.c.group_id == bindparam("group_id", type_=Integer),
-        d.c.state == RowState.READY.value,
-        d.c.available_at <= func.now(),
+    gid = bindparam("group_id", type_=Integer)
+    ready_since = (
+        select(func.min(d.c.available_at))
+        .where(d.c.group_id == gid, d.c.state == RowState.READY.value)
+        .where(d.c.available_at <= func.now())
+        .scalar_subquery()
     )
+    expired_since = (
+        select(func.min(d.c.lease_expires_at))
+        .where(d.c.group_id == gid, d.c.state == RowState.LEASED.value)
+        .where(d.c.lease_expires_at <= func.now())
+        .scalar_subquery()
+    )
+    waited = func.now() - func.least(ready_since, expired_since)
+    return select(cast(func.extract("epoch", waited), Float).label("age_s"))
 
 
 @cache

@@ -307,6 +307,7 @@ def test_the_oldest_ready_age_is_one_probe_of_the_ready_index(billing):
         ]
     text = "\n".join(plan)
     assert "Limit" in text and "Index Only Scan using delivery_ready_idx" in text, text
+    assert "delivery_leased_idx" in text, text  # the run-out leases: one probe too
     assert "Seq Scan" not in text and "Sort" not in text, text
     scan = next(line for line in plan if "delivery_ready_idx" in line)
     assert re.search(r"actual time=\S+ rows=1(\.00)? loops=1", scan), text
