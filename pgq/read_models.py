@@ -169,9 +169,9 @@ class FrontierHolder:
 class GroupStatus:
     """`pgq status GROUP --json`: frontier, counts, totals, lag, breaker and members.
 
-    `oldest_ready_age_s`: seconds the oldest row ready now (state ready,
-    `available_at` passed) has been claimable, by the database clock; None when
-    no row is ready now.
+    `oldest_ready_age_s`: seconds the oldest row claimable now (ready with
+    `available_at` passed, or leased with its lease run out) has been claimable,
+    by the database clock; None when no row is.
     """
 
     group: str
