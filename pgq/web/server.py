@@ -17,6 +17,15 @@ Here each connection is checked every turn of the loop (`GuardedChannel`)
 against `Limits.overdue`: idle too long, or a request that has not arrived
 whole within its deadline, is closed; when the server is crowded, both
 deadlines shrink, so idle and slow sockets go first.
+
+Nor can clients that do not read their answers: waitress's task thread writes
+an answer into the connection's buffer and, past `outbuf_high_watermark`
+(16 MB; pipelined requests for a big page fill it from one read), waits until
+the client reads, holding the thread for as long as the client likes. A thread
+may wait for its client's reading `Limits.request` seconds in all (a browser
+never makes it wait: no page is near 16 MB); then the connection is closed,
+which wakes the thread (`ClientDisconnected`: it ends that answer and takes
+the next task).
 """
 
 from __future__ import annotations
@@ -60,13 +69,14 @@ class Limits:
     idle: float = 30.0
     """A connection with no request in it and no bytes moving is closed after this."""
     request: float = 10.0
-    """A request must arrive whole (headers and body) within this of its first byte."""
+    """A request must arrive whole (headers and body) within this of its first byte; a
+    task thread may wait this long in all for the client to read its answers."""
     crowded: float = 0.75
     """From this share of `connections` on, the server is crowded: then"""
     crowded_idle: float = 1.0
     """idle connections are closed after this, and"""
     crowded_request: float = 2.0
-    """requests must arrive whole within this."""
+    """requests must arrive whole (and threads stop waiting for readers) within this."""
 
     def overdue(
         self,
@@ -76,14 +86,16 @@ class Limits:
         started: float | None,
         busy: bool,
         open_connections: int,
+        waited: float = 0.0,
     ) -> bool:
         """Whether to close a connection: its last byte in or out at `last_activity`,
         the request it is receiving begun at `started` (None: between requests),
-        `busy` while a request of it is being answered (never closed then: the
-        answer's reads have their own deadline)."""
-        if busy:
-            return False
+        `busy` while a request of it is being answered (then closed only when a
+        thread has `waited` too long in all for the client to read its answers:
+        the answer's database reads have their own deadline)."""
         crowded = open_connections >= self.connections * self.crowded
+        if busy:
+            return waited > (self.crowded_request if crowded else self.request)
         if started is not None:
             return now - started > (self.crowded_request if crowded else self.request)
         return now - last_activity > (self.crowded_idle if crowded else self.idle)
@@ -92,14 +104,23 @@ class Limits:
 class GuardedChannel(HTTPChannel):  # type: ignore[misc]
     """waitress's connection, closed when `Limits.overdue` says so. The loop calls
     `readable()` on every connection at least once a second (its poll timeout),
-    which is where it is checked. Times are waitress's (`time.time`), so they
-    compare with its `last_activity`."""
+    which is where it is checked, and where the time a task thread waits for
+    this client to read (its output past the high watermark) is added up.
+    Times are waitress's (`time.time`), so they compare with its
+    `last_activity`. An overdue connection is closed there and then: one whose
+    client does not read is never writable, so waitress's `will_close` (acted
+    on when writable) would never close it."""
 
-    will_close: bool  # waitress's: close once the output is flushed
+    requests: list[Any]  # waitress's: the requests received and not yet answered
+    total_outbufs_len: int  # waitress's: bytes buffered for the client
+    adj: Any  # waitress's settings
 
     def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
         self.limits = limits
         self.started: float | None = None  # first byte of the request being received
+        self.waited = 0.0  # seconds a task thread has waited for this client to read
+        self._waiting_since: float | None = None
+        self.dropped = False
         super().__init__(*args, **kwargs)
 
     def received(self, data: bytes) -> bool:
@@ -112,16 +133,36 @@ class GuardedChannel(HTTPChannel):  # type: ignore[misc]
         return result
 
     def readable(self) -> bool:
-        if not self.will_close and self.limits.overdue(
-            now=time.time(),
+        if self.dropped:
+            return False
+        now = time.time()
+        busy = bool(self.requests)
+        if busy and self.total_outbufs_len > self.adj.outbuf_high_watermark:
+            # a task thread waits (or will, at its next write) for the client to read
+            if self._waiting_since is not None:
+                self.waited += now - self._waiting_since
+            self._waiting_since = now
+        else:
+            self._waiting_since = None
+        if self.limits.overdue(
+            now=now,
             last_activity=self.last_activity,
             started=self.started,
-            busy=bool(self.requests),
+            busy=busy,
             open_connections=len(self._map),
+            waited=self.waited,
         ):
-            self.will_close = True  # writable() now, whose handle_write closes it
+            self.dropped = True
+            self.handle_close()  # wakes a waiting task thread: ClientDisconnected
+            return False
         readable: bool = super().readable()
         return readable
+
+    def writable(self) -> bool:
+        if self.dropped:
+            return False
+        writable: bool = super().writable()
+        return writable
 
 
 class WebServer:

@@ -300,9 +300,10 @@ def test_connections_are_closed_when_idle_or_slow_and_sooner_when_crowded():
                     crowded_request=2)  # fmt: skip
 
     def overdue(now: float, *, last: float = 0.0, started: float | None = None,
-                busy: bool = False, open_connections: int = 10) -> bool:  # fmt: skip
+                busy: bool = False, open_connections: int = 10,
+                waited: float = 0.0) -> bool:  # fmt: skip
         return limits.overdue(now=now, last_activity=last, started=started, busy=busy,
-                              open_connections=open_connections)  # fmt: skip
+                              open_connections=open_connections, waited=waited)  # fmt: skip
 
     assert not overdue(30) and overdue(30.01)  # idle
     assert not overdue(10, started=0, last=9.9) and overdue(10.01, started=0, last=10)
@@ -314,3 +315,7 @@ def test_connections_are_closed_when_idle_or_slow_and_sooner_when_crowded():
     assert overdue(2.01, started=0, last=2, open_connections=75)
     assert not overdue(2, started=0, last=2, open_connections=100)
     assert not overdue(1e9, busy=True, open_connections=100)
+    # answering, a thread waiting for the client to read: `request` in all (crowded: 2 s)
+    assert not overdue(1e9, busy=True, waited=10) and overdue(0, busy=True, waited=10.01)
+    assert not overdue(0, busy=True, waited=2, open_connections=75)
+    assert overdue(0, busy=True, waited=2.01, open_connections=75)
