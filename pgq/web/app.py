@@ -36,7 +36,7 @@ from pgq.metrics import exposition
 from pgq.schema import ERROR_CLASSES
 from pgq.store import admin as store_admin
 from pgq.web.charts import sparkline
-from pgq.web.guard import SESSION_COOKIE, Guard, Throttled, host_allowed
+from pgq.web.guard import SESSION_COOKIE, Guard, Throttled, host_allowed, same_origin
 from pgq.web.views import Dashboard
 
 __all__ = ["create_app"]
@@ -294,6 +294,10 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             abort(403, "this dashboard is read-only (start pgq web with --admin)")
         if request.method != "POST":  # GET, and HEAD as GET (docs/defects.md)
             return _page("login.html", failed=False)
+        if not same_origin(dict(request.headers), request.host):
+            # before the throttle: another site's page neither locks the operator out
+            # nor logs their browser in as someone else (login CSRF)
+            abort(403, "a login from another site's page is refused")
         s = guard.login(request.form.get("token"), request.remote_addr)
         if s is None:
             return _page("login.html", 403, failed=True)

@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 from pgq.web.throttle import Throttle
 from pgq.web.tokens import DEFAULT_USER
 
-__all__ = ["Guard", "Session", "Throttled", "host_allowed"]
+__all__ = ["Guard", "Session", "Throttled", "host_allowed", "same_origin"]
 
 SESSION_COOKIE = "pgq_session"
 SESSION_TTL = 12 * 3600.0
