@@ -4,7 +4,9 @@ At most `limit` failures within `window` seconds from one client; then every
 attempt from it is refused (429 with `Retry-After`), the right token too, until
 the oldest of those failures leaves the window. A success forgets the client's
 failures. A client is its address, an IPv6 one by its /64 (one host usually has
-the whole /64). At most `max_clients` clients are remembered, the least
+the whole /64), and every loopback address (127.0.0.0/8, ::1, ::ffff:127.x.y.z)
+is one client, `loopback`: any local process may connect from any of 127/8's
+sixteen million addresses. At most `max_clients` clients are remembered, the least
 recently failed forgotten first, so many addresses cannot exhaust memory;
 what stops a guesser with that many addresses is the token's strength
 (`pgq.web.tokens`). Behind a reverse proxy every client is the proxy's
@@ -25,18 +27,23 @@ __all__ = ["Throttle", "client_of"]
 LIMIT = 5
 WINDOW = 60.0
 MAX_CLIENTS = 10_000
+LOOPBACK = "loopback"
+"""The one client every loopback address is."""
 
 
 def client_of(address: str | None) -> str:
-    """The key failures are counted under: an IPv4 address, an IPv6 /64, or the text
-    itself when it is no address (a Unix socket, a test)."""
+    """The key failures are counted under: `loopback` for every loopback address, an
+    IPv4 address, an IPv6 /64, or the text itself when it is no address (a Unix
+    socket, a test)."""
     try:
         ip = ipaddress.ip_address(address or "")
     except ValueError:
         return address or ""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return LOOPBACK
     if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
         return str(ipaddress.IPv6Network((ip, 64), strict=False))
     return str(ip)
 

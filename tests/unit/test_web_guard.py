@@ -161,6 +161,9 @@ def test_an_ipv6_client_is_its_64_and_memory_stays_bounded():
     assert client_of("2001:db8:1:2:aaaa::1") == client_of("2001:db8:1:2:bbbb::7")
     assert client_of("2001:db8:1:3::1") != client_of("2001:db8:1:2::1")
     assert client_of("::ffff:10.0.0.1") == client_of("10.0.0.1") == "10.0.0.1"
+    # any local process may connect from any of 127/8: every loopback address is one client
+    loopback = {client_of(a) for a in ("127.0.0.1", "127.0.0.2", "127.255.1.9", "::1")}
+    assert loopback == {client_of("::ffff:127.0.0.3")} == {"loopback"}
     clock = Clock()
     t = Throttle(limit=2, window=60, max_clients=100, clock=clock)
     for k in range(10_000):
