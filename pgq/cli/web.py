@@ -29,6 +29,9 @@ __all__ = ["web"]
 
 logger = logging.getLogger("pgq.cli")
 
+MAX_TOKENS_FILE = 1 << 20
+"""Bytes a tokens file may have (a line is about 100)."""
+
 
 def _loopback(host: str) -> bool:
     """Whether `host` is this machine's loopback (all of 127.0.0.0/8, ::1, localhost)."""
@@ -41,13 +44,18 @@ def _loopback(host: str) -> bool:
 
 
 def _read_tokens(path: str | None) -> str | None:
-    """The tokens file's text (a warning when others may read it), or None."""
+    """The tokens file's text (a warning when others may read it), or None. At most
+    `MAX_TOKENS_FILE` bytes are read: a file without end (`/dev/zero`) is one line,
+    not all the memory there is; a pipe (`<(...)`) is read like a file."""
     if path is None:
         return None
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             mode = os.fstat(f.fileno()).st_mode
-            text = f.read()
+            data = f.read(MAX_TOKENS_FILE + 1)
+        if len(data) > MAX_TOKENS_FILE:
+            raise UsageError(f"the tokens file {path!r} is larger than {MAX_TOKENS_FILE >> 20} MiB")
+        text = data.decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise UsageError(f"cannot read the tokens file {path!r}: {reason}") from None

@@ -3,10 +3,14 @@ throttle on failed attempts: exact, with an injected clock (issue 21)."""
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
 pytest.importorskip("flask")
 
+from pgq.cli.web import MAX_TOKENS_FILE, _read_tokens
 from pgq.errors import UsageError
 from pgq.web.guard import Guard, Throttled
 from pgq.web.throttle import Throttle, client_of
@@ -173,3 +177,26 @@ def test_an_ipv6_client_is_its_64_and_memory_stays_bounded():
     t.failed("10.9.9.9")
     assert t.retry_after("10.9.9.9") == 60
     assert t.retry_after("10.0.0.0") == 0  # forgotten first: the least recent
+
+
+# -- the tokens file -------------------------------------------------------------------
+
+
+def test_a_tokens_file_is_read_up_to_a_mib_a_pipe_too(tmp_path):
+    """A file without end (`/dev/zero`) was read whole: a MemoryError traceback."""
+    big = tmp_path / "big"
+    big.write_bytes(b"#" * MAX_TOKENS_FILE + b"\n")
+    with pytest.raises(UsageError, match="larger than 1 MiB"):
+        _read_tokens(str(big))
+    big.write_bytes(b"#" * (MAX_TOKENS_FILE - 1) + b"\n")
+    assert len(_read_tokens(str(big)) or "") == MAX_TOKENS_FILE
+    with pytest.raises(UsageError, match="larger than 1 MiB"):
+        _read_tokens("/dev/zero")
+    fifo = tmp_path / "fifo"  # `--tokens-file <(pass show pgq-web)`
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_text, args=(f"alice:{ALICE}\n",))
+    writer.start()
+    try:
+        assert _read_tokens(str(fifo)) == f"alice:{ALICE}\n"
+    finally:
+        writer.join(10)
