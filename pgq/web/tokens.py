@@ -6,13 +6,22 @@ in a file), from `--tokens-file FILE` (`PGQ_WEB_TOKENS_FILE`; a line that
 starts with `#` is a comment) and from `PGQ_WEB_TOKENS`; the single token of `PGQ_WEB_TOKEN` is the
 person `admin`. The name is what the audit row records (`alice (pgq web)`).
 Names are spelled as group names are (`pgq.names.NAME_RE`). A token is at least
-16 characters, has no whitespace or control characters, and at least 8
-different characters (sixteen spaces, or `aaaa...`, are refused). Nothing here
-ever puts a token into a message.
+16 characters, has no whitespace or control characters, at least 8 different
+characters (sixteen spaces, or `aaaa...`, are refused), and an estimated
+strength of at least 64 bits (`strength`): each character counts the bits of
+the alphabet the token draws from (lower case 26 letters, upper case 26, digits
+10, other ASCII 33, anything else 100), except one a guesser would try next,
+which counts 1 bit: the next of a run (`abc`, `987`), the next key of a
+keyboard row (`qwerty`, `asdf`), a repeat of the character before or of a
+piece already seen (`changeme-changeme`), the rest of a common word
+(`password`). So `0123456789abcdef`, `qwertyuiopasdfgh` and `password12345678`
+are refused; `openssl rand -hex 16` (about 160 bits) always passes. Nothing
+here ever puts a token into a message.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from pgq.errors import UsageError
@@ -20,6 +29,7 @@ from pgq.names import NAME_RE
 
 __all__ = [
     "DEFAULT_USER",
+    "MIN_BITS",
     "MIN_DISTINCT",
     "MIN_TOKEN_LENGTH",
     "TOKENS_ENV",
@@ -27,6 +37,7 @@ __all__ = [
     "TOKEN_ENV",
     "admin_tokens",
     "parse_tokens",
+    "strength",
     "weakness",
 ]
 
@@ -37,10 +48,85 @@ DEFAULT_USER = "admin"
 """The person `PGQ_WEB_TOKEN`'s token names."""
 MIN_TOKEN_LENGTH = 16
 MIN_DISTINCT = 8
+MIN_BITS = 64
 RULE = (
     f"at least {MIN_TOKEN_LENGTH} characters, no spaces or control characters,"
-    f" at least {MIN_DISTINCT} different characters; for example: openssl rand -hex 16"
+    f" at least {MIN_DISTINCT} different characters, and at least {MIN_BITS} bits"
+    " estimated (runs, keyboard rows, repeats and common words count little);"
+    " for example: openssl rand -hex 16"
 )
+ALPHABETS = {"lower": 26, "upper": 26, "digit": 10, "punctuation": 33, "other": 100}
+"""How many characters each kind of character is drawn from."""
+KEYBOARD_ROWS = ("`1234567890-=", "qwertyuiop[]\\", "asdfghjkl;'", "zxcvbnm,./")
+COMMON_WORDS = (
+    "password",
+    "passwd",
+    "changeme",
+    "letmein",
+    "welcome",
+    "secret",
+    "admin",
+    "token",
+    "qwerty",
+    "dragon",
+    "monkey",
+    "master",
+    "login",
+    "default",
+    "iloveyou",
+    "trustno",
+    "test",
+    "root",
+    "pgq",
+)
+"""Words a guesser tries first (lower case; matched in any case)."""
+
+
+def _alphabet(token: str) -> int:
+    """How many characters the kinds of character in `token` span."""
+    kinds: set[str] = set()
+    for c in token:
+        if not c.isascii():
+            kinds.add("other")
+        elif c.islower():
+            kinds.add("lower")
+        elif c.isupper():
+            kinds.add("upper")
+        elif c.isdigit():
+            kinds.add("digit")
+        else:
+            kinds.add("punctuation")
+    return sum(ALPHABETS[kind] for kind in kinds)
+
+
+def _follows(before: str, c: str) -> bool:
+    """Whether `c` is what a guesser tries after `before`: a repeat, the next of a
+    run either way, or the next key of a keyboard row either way."""
+    if before.isascii() and c.isascii():
+        before, c = before.lower(), c.lower()
+    if c == before or abs(ord(c) - ord(before)) == 1:
+        return True
+    return any(
+        before in row and c in row and abs(row.index(c) - row.index(before)) == 1
+        for row in KEYBOARD_ROWS
+    )
+
+
+def strength(token: str) -> float:
+    """Estimated bits of `token` (see the module docstring)."""
+    bits = math.log2(_alphabet(token)) if token else 0.0
+    lower = token.lower()
+    predictable = [False] * len(token)
+    for i in range(len(token)):
+        for word in COMMON_WORDS:
+            if lower.startswith(word, i):
+                for j in range(i + 1, i + len(word)):
+                    predictable[j] = True
+        if i and _follows(token[i - 1], token[i]):
+            predictable[i] = True
+        if i >= 1 and token[i - 1 : i + 1] in token[:i]:
+            predictable[i] = True  # a piece already seen, from its second character
+    return sum(1.0 if p else bits for p in predictable)
 
 
 def weakness(token: str) -> str | None:
@@ -51,6 +137,9 @@ def weakness(token: str) -> str | None:
         return "it holds spaces or control characters"
     if len(set(token)) < MIN_DISTINCT:
         return f"fewer than {MIN_DISTINCT} different characters"
+    bits = strength(token)
+    if bits < MIN_BITS:
+        return f"guessable: about {math.floor(bits)} bits estimated"
     return None
 
 

@@ -227,7 +227,7 @@ def test_an_admin_logs_in_and_requeues_a_dead_row_from_the_browser(browser, engi
     pgq.subscribe(engine, "g", "t")
     ids = pgq.publish_many(engine, "t", [{"n": 1}, {"n": 2}])
     kill(engine, ids[:1], "message")
-    token = "browser-test-token-0123456789"
+    token = "browser-test-6d1f8b3e9a4c7025"
     server = dashboard_server(engine, port=0, token=token, options=WebOptions(refresh=0.5))
     server.start()
     try:
@@ -271,7 +271,7 @@ def test_reloading_the_answer_to_a_requeue_changes_nothing(browser, engine):
     pgq.subscribe(engine, "g", "t")
     ids = pgq.publish_many(engine, "t", [{"n": i} for i in range(4)])
     kill(engine, ids[:2], "message")
-    token = "browser-test-token-0123456789"
+    token = "browser-test-6d1f8b3e9a4c7025"
     server = dashboard_server(engine, port=0, token=token, options=WebOptions(refresh=0.5))
     server.start()
     try:
@@ -307,7 +307,7 @@ def test_no_page_logs_a_console_error(browser, engine):
     pgq.create_topic(engine, "t")
     pgq.subscribe(engine, "g", "t")
     [mid] = pgq.publish_many(engine, "t", [{"n": 1}])
-    token = "browser-test-token-0123456789"
+    token = "browser-test-6d1f8b3e9a4c7025"
     server = dashboard_server(engine, port=0, token=token, options=WebOptions(refresh=0.2))
     server.start()
     pages = [

@@ -16,8 +16,8 @@ import pgq.monitor
 
 pytest.importorskip("flask")
 
-ALICE = "alice-token-0123456789"
-BOB = "bob-token-9876543210xyz"
+ALICE = "alice-7f3c9e1b5a2d8064"
+BOB = "bob-c4e9a17f03d85b26"
 
 
 @pytest.mark.parametrize("host", ["bad host", "999.1.1.1", ""])
@@ -36,7 +36,7 @@ def test_an_address_that_is_not_this_machines_is_one_line(engine, pgq_env, host)
         ({"PGQ_WEB_TOKEN": "a" * 32}, None, "fewer than 8 different characters"),
         ({"PGQ_WEB_TOKEN": "x" * 15}, None, "at least 16 characters"),
         ({}, None, "--admin needs a token"),
-        ({}, "alice:0123456789abcdef\nbob:bbbbbbbbbbbbbbbbbbbbbb\n", "line 2: the token of 'bob'"),
+        ({}, "alice:4f9a1c7e2b8d6035\nbob:bbbbbbbbbbbbbbbbbbbbbb\n", "line 2: the token of 'bob'"),
         ({"PGQ_WEB_TOKENS": "alice"}, None, "$PGQ_WEB_TOKENS: each entry is NAME:TOKEN"),
     ],
 )
@@ -53,7 +53,7 @@ def test_a_weak_or_malformed_admin_token_stops_it_at_start(
         args += ["--tokens-file", str(tokens)]
     result = invoke(pgq_env, *args, **env)
     assert_usage_error(result.exit_code, result.stderr, contains=says)
-    assert "0123456789abcdef" not in result.stderr
+    assert "4f9a1c7e2b8d6035" not in result.stderr
 
 
 def test_an_unreadable_tokens_file_is_one_line(engine, pgq_env, tmp_path):

@@ -58,7 +58,7 @@ from pgq.store import admin as store_admin
 from pgq.web import WebOptions, WebServer, dashboard_server
 from pgq.web.views import READERS
 
-TOKEN = "web-test-token-0123456789abcdef"
+TOKEN = "web-test-5c8e1a7f3b9d2064e6a1"
 """The admin token of the admin servers here (at least 16 characters)."""
 
 SCRIPT = "<script>alert(1)</script>"

@@ -255,7 +255,7 @@ def test_a_purge_while_open_keeps_the_pending_rows_and_a_reload_changes_nothing(
         conn.execute(update(t.breaker).values(state="OPEN", epoch=1))
     kill(engine, ids[:2], "systemic", error_epoch=0, refunds=0)  # the outage's: pending
     kill(engine, ids[2:], "message")
-    token = "attack-test-token-0123456789"
+    token = "attack-test-9e2c7a4f1b8d3065"
     server = dashboard_server(engine, port=0, token=token, options=WebOptions())
     server.start()
     try:
@@ -475,7 +475,7 @@ def test_live_on_a_page_without_a_live_part_answers_the_page(engine, caplog):
     ids = pgq.publish_many(engine, "t", [{"n": 1}, {"n": 2}])
     kill(engine, ids, "message")
     caplog.set_level(logging.DEBUG)
-    token = "attack-test-token-0123456789"
+    token = "attack-test-9e2c7a4f1b8d3065"
     server = dashboard_server(engine, port=0, token=token, options=WebOptions())
     server.start()
     parts = urllib.parse.urlsplit(server.url)

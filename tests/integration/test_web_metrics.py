@@ -23,7 +23,7 @@ from pgq.web import WebOptions, WebServer, dashboard_server
 pytest.importorskip("flask")
 parser = pytest.importorskip("prometheus_client.parser")
 
-TOKEN = "web-metrics-token-0123456789abcdef"
+TOKEN = "web-metrics-a3f7c1e9b5d20864"
 
 GROUP_FAMILIES = {
     "pgq_group_ready_rows",

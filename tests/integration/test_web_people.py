@@ -17,8 +17,8 @@ from test_web import csrf_of, get, login, origin, post
 
 from pgq import monitor
 
-ALICE = "alice-token-0123456789"
-BOB = "bob-token-9876543210xyz"
+ALICE = "alice-7f3c9e1b5a2d8064"
+BOB = "bob-c4e9a17f03d85b26"
 
 dead = test_web.dead
 serve = test_web.serve

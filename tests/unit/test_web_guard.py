@@ -3,7 +3,9 @@ throttle on failed attempts: exact, with an injected clock (issue 21)."""
 
 from __future__ import annotations
 
+import math
 import os
+import secrets
 import threading
 
 import pytest
@@ -14,10 +16,10 @@ from pgq.cli.web import MAX_TOKENS_FILE, _read_tokens
 from pgq.errors import UsageError
 from pgq.web.guard import Guard, Throttled
 from pgq.web.throttle import Throttle, client_of
-from pgq.web.tokens import admin_tokens, parse_tokens, weakness
+from pgq.web.tokens import MIN_BITS, admin_tokens, parse_tokens, strength, weakness
 
-ALICE = "alice-token-0123456789"
-BOB = "bob-token-9876543210xyz"
+ALICE = "alice-7f3c9e1b5a2d8064"
+BOB = "bob-c4e9a17f03d85b26"
 HOST = "127.0.0.1:8080"
 
 
@@ -57,23 +59,69 @@ def test_weak_tokens_are_refused(token):
     assert "\n" not in message
 
 
-@pytest.mark.parametrize("token", ["0123456789abcdef", "abcdefgh" * 2, "Zx9!Zx9!ab#cdefg"])
+@pytest.mark.parametrize(
+    "token",
+    [
+        "0123456789abcdef",  # a run: passed the character count (the attack)
+        "abcdefghijklmnop",
+        "fedcba9876543210",  # a run backwards
+        "qwertyuiopasdfgh",  # keyboard rows
+        "QWERTYUIOPASDFGH",
+        "password12345678",  # a common word, then a run
+        "PassWord-Admin-Secret",
+        "changeme-changeme",  # a repeat
+        "abcdefgh" * 2,
+        "Zx9!Zx9!ab#cdefg",
+        "f3a9c2e7" * 3,  # a short random piece, repeated
+    ],
+)
+def test_guessable_tokens_are_refused_with_the_rule(token):
+    assert strength(token) < MIN_BITS
+    message = weakness(token)
+    assert message is not None and message.startswith("guessable: about ")
+    with pytest.raises(UsageError) as refused:
+        admin_tokens({"PGQ_WEB_TOKEN": token})
+    text = str(refused.value)
+    assert "too weak" in text and f"at least {MIN_BITS} bits" in text, text
+    assert "openssl rand -hex 16" in text and token not in text
+
+
+@pytest.mark.parametrize(
+    "token", ["4f9a1c7e2b8d6035", "Zx9!Qm4#Lp7$Rt2&", "k8Vq2Lr5Wn7Zt3Hx", ALICE, BOB]
+)
 def test_strong_enough_tokens_pass(token):
     assert weakness(token) is None
     assert admin_tokens({"PGQ_WEB_TOKEN": token}) == {"admin": token}
+
+
+def test_random_hex_tokens_always_pass():
+    """`openssl rand -hex 16`, as the rule suggests: even its least lucky draws."""
+    tokens = [secrets.token_hex(16) for _ in range(2000)]
+    assert [t for t in tokens if weakness(t) is not None] == []
+    assert min(strength(t) for t in tokens) > 1.5 * MIN_BITS
+
+
+def test_strength_counts_guessable_characters_one_bit():
+    assert strength("k8Vq2Lr5Wn7Zt3Hx") == pytest.approx(16 * math.log2(62))
+    assert strength("abcd") == pytest.approx(math.log2(26) + 3)  # a run
+    assert strength("asdf") == pytest.approx(math.log2(26) + 3)  # a keyboard row
+    # a piece seen before: guessable from its second character on
+    assert strength("k8Vq-k8Vq") == pytest.approx(6 * math.log2(95) + 3)
+    assert strength("Password") == pytest.approx(math.log2(52) + 7)  # a word
+    assert strength("\u00e9t\u00e9") == pytest.approx(3 * math.log2(126))  # non-ASCII
 
 
 # -- named tokens ---------------------------------------------------------------------
 
 
 def test_tokens_name_their_people_from_every_source():
-    environ = {"PGQ_WEB_TOKEN": "admin-token-abcdefgh", "PGQ_WEB_TOKENS": f"alice:{ALICE}"}
-    file_text = f"# the on-call engineers\n\nbob:{BOB}\n  carol.d:carol#token-0123456789\n"
+    environ = {"PGQ_WEB_TOKEN": "admin-9d4f2b7e1c6a8350", "PGQ_WEB_TOKENS": f"alice:{ALICE}"}
+    file_text = f"# the on-call engineers\n\nbob:{BOB}\n  carol.d:carol#d63a0f9e2b7c4185\n"
     assert admin_tokens(environ, file_text) == {
-        "admin": "admin-token-abcdefgh",
+        "admin": "admin-9d4f2b7e1c6a8350",
         "alice": ALICE,
         "bob": BOB,
-        "carol.d": "carol#token-0123456789",  # `#` inside a token is the token's
+        "carol.d": "carol#d63a0f9e2b7c4185",  # `#` inside a token is the token's
     }
     assert parse_tokens(f"alice:{ALICE} bob:{BOB}", "$PGQ_WEB_TOKENS") == {
         "alice": ALICE,

@@ -193,7 +193,7 @@ class Clock:
         return self.now
 
 
-TOKEN = "s3cret-token-0123456789"
+TOKEN = "s3cret-e8b1f4a92c7d5063"
 
 
 def test_a_read_only_guard_never_allows_a_change():
