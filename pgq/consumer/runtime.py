@@ -4,7 +4,9 @@
     heartbeat: liveness, lease extension, quorum open, group state ──▶ gate;
                starts the prober
     maintenance: sweep, frontier, statistics, pruning, retention, handler timeouts,
-                 the progress line (housekeeping: gives up on a lock after a few seconds)
+                 the lag of the progress line
+                 (housekeeping: gives up on a lock after a few seconds)
+    progress: the progress line, from memory (never waits for the database)
 
 Data flows one way: the gate tells its listeners (fetcher, pool, heartbeat)
 when a breaker changes; workers take the gate and the acker directly; each
@@ -16,6 +18,7 @@ the member leaves the group.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -72,9 +75,10 @@ class Runtime:
         self.maintenance.add(
             "handler-timeouts", min(0.5, s.handler_timeout / 4), self.workers.check_timeouts
         )
-        every = progress.PROGRESS_EVERY
-        line = progress.Progress(member, gate, self.maintenance.conn, clock)
-        self.maintenance.add("progress", every, line, first_in=every)
+        self.progress = progress.Progress(member, gate, clock)
+        every, conn = self.progress.every, self.maintenance.conn
+        lag = functools.partial(self.progress.read_lag, conn)
+        self.maintenance.add("progress-lag", every, lag, first_in=every / 2)
         gate.on_change(self.fetcher.wake.set)
         gate.on_change(member.pool.wake)  # a fetcher waiting for space re-checks the gate
         gate.on_change(self.heartbeat.poke)
@@ -93,6 +97,7 @@ class Runtime:
         self.workers.start()
         self.heartbeat.start()
         self.maintenance.start()
+        self.progress.start()
         self.fetcher.start()
 
     def abort(self) -> None:
@@ -128,6 +133,7 @@ class Runtime:
         m.halt.set()
         self.acker.join(5.0)
         self.maintenance.stop()
+        self.progress.stop()
         self.maintenance.join(5.0)
         self.heartbeat.stop()
         self.heartbeat.join(5.0)
