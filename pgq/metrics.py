@@ -8,15 +8,19 @@ and a member expose a group under the same names and labels (`group`, `topic`);
 the dashboard reads every group in one `status_all` per scrape, so a group with
 no member running is still observable.
 
-A member's own families are read when Prometheus scrapes, so nothing but the
-latency histograms touches the hot path, and those only while metrics are
-served (`Consumer.measure()`; `pgq.consumer.timing`): its counts and breaker
-states from memory, the rows it holds, the histograms, and its group's numbers
-(plus the `pgq check` verdict) from one status query and one check query.
+A member's scrape reads memory only and answers at once, also while the
+database does not answer (decision 0031): nothing but the latency histograms
+touches the hot path, and those only while metrics are served
+(`Consumer.measure()`; `pgq.consumer.timing`): its counts and breaker states,
+the rows it holds, the histograms, and its group's numbers (plus the `pgq
+check` verdict) as the member last read them on its own `work` connection
+(`pgq.consumer.numbers`, every few seconds; their age is
+`pgq_group_numbers_age_seconds`, and a read older than `STALE_AFTER` is no
+longer served). A scrape never opens a connection of its own.
 
 The member's endpoint starts before the member joins its group (so it answers
-while a member waits for its database): until then it serves the group's
-numbers only, and the member's families appear once it has joined. The
+while a member waits for its database): until it has joined and read its
+group's numbers once, it serves the process' own families only. The
 collector describes its families without collecting, so registering it reads
 nothing. It listens on 127.0.0.1 unless told otherwise (`--metrics-host`).
 """
@@ -24,14 +28,15 @@ nothing. It listens on 127.0.0.1 unless told otherwise (`--metrics-host`).
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from pgq import monitor
+from pgq.consumer.numbers import STALE_AFTER
 from pgq.consumer.timing import ACK, CLAIM, HANDLER, Merged
-from pgq.errors import ConfigError, PgqError, install_extra
+from pgq.errors import ConfigError, install_extra
+from pgq.logcontext import get_logger, log_fields
 from pgq.read_models import GroupStatus
 from pgq.records import BreakerState
 
@@ -47,7 +52,7 @@ __all__ = [
     "serving_metrics",
 ]
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
 """Where a member's endpoint listens unless `--metrics-host` says otherwise."""
@@ -207,7 +212,8 @@ HISTOGRAMS = {
 class ConsumerCollector:
     """Exposes a consumer's running counts, breaker states, rows in flight, latency
     histograms and its group's numbers. Creating it makes the consumer time its
-    work (`Consumer.measure()`): create it before the consumer starts."""
+    work and read its group's numbers (`Consumer.measure()`): create it before
+    the consumer starts."""
 
     def __init__(self, consumer: Consumer) -> None:
         self.consumer = consumer
@@ -216,24 +222,30 @@ class ConsumerCollector:
     def describe(self) -> Iterator[Any]:
         """The families this collector yields, without samples (reads nothing)."""
         yield from self._member_families().values()
+        yield self._age_family([])
         yield from group_families(())
         yield self._check_family()
 
     def collect(self) -> Iterator[Any]:
+        """Answers from memory at once (never reads the database): the member's
+        families once it has joined, and its group's numbers as the member last
+        read them (`pgq.consumer.numbers`), while younger than `STALE_AFTER`."""
         c = self.consumer
         if c.started:
             yield from self._member_samples()
-        status = self._group_status()
-        if status is not None:
-            yield from group_families([status])
-            check = self._check_family()
-            try:
-                word, _ = monitor.check(c.engine, c.group, c.settings.breaker_max_refunds)
-            except PgqError as exc:
-                logger.warning("metrics: check unavailable group=%s error=%s", c.group, exc)
-            else:
-                check.add_metric([c.group, status.topic], float(monitor.CHECK_EXIT_CODES[word]))
-                yield check
+        numbers = c.group_numbers()
+        if numbers is None:
+            return
+        age = max(0.0, c.clock() - numbers.taken)
+        status = numbers.status
+        labels = [c.group, status.topic]
+        yield self._age_family([(labels, age)])
+        if age > STALE_AFTER:
+            return
+        yield from group_families([status])
+        check = self._check_family()
+        check.add_metric(labels, float(monitor.CHECK_EXIT_CODES[numbers.check]))
+        yield check
 
     def _member_families(self) -> dict[str, Any]:
         """The member's families by name, empty."""
@@ -289,13 +301,18 @@ class ConsumerCollector:
             labels=GROUP_LABELS,
         )
 
-    def _group_status(self) -> GroupStatus | None:
-        c = self.consumer
-        try:
-            return monitor.read_status(c.engine, c.group, member_ttl=c.settings.breaker_member_ttl)
-        except PgqError as exc:
-            logger.warning("metrics: group numbers unavailable group=%s error=%s", c.group, exc)
-            return None
+    @staticmethod
+    def _age_family(samples: list[tuple[list[str], float]]) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily(
+            "pgq_group_numbers_age_seconds",
+            "seconds since this member read its group's numbers (pgq_group_*)",
+            labels=GROUP_LABELS,
+        )
+        for labels, value in samples:
+            family.add_metric(labels, value)
+        return family
 
 
 def _buckets(merged: Merged) -> list[tuple[str, float]]:
@@ -337,7 +354,8 @@ def serving_metrics(port: int, consumer: Consumer, host: str = DEFAULT_HOST) -> 
         raise ConfigError(
             f"--metrics-port {port} --metrics-host {host}: cannot serve metrics: {exc}"
         ) from None
-    logger.info("serving metrics host=%s port=%d path=/metrics", host, port)
+    with log_fields(group=consumer.group, member=consumer.name):
+        logger.info("serving metrics host=%s port=%d path=/metrics", host, port)
     try:
         yield
     finally:

@@ -21,7 +21,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 
 from pgq.breaker import pending_scope
 from pgq.errors import UsageError
@@ -56,6 +56,7 @@ __all__ = [
     "dead",
     "dead_split",
     "frontier_held_by",
+    "group_numbers",
     "iso",
     "live_members",
     "members",
@@ -470,6 +471,18 @@ def check_and_split(
     """`check` and `dead_split` of `group` from one read (the dashboard's group page)."""
     rows = inspect.check_rows(engine, group, max_refunds, member_ttl)
     return (*_verdict(rows, max_age), _split(rows.dead))
+
+
+def group_numbers(
+    conn: Connection, group: str, *, member_ttl: float, max_refunds: int
+) -> tuple[GroupStatus, str]:
+    """`read_status` and `check`'s state word of `group`, read on `conn` in its
+    transaction: a running member's own connection (its metrics' group numbers,
+    `pgq.consumer.numbers`), with the member's own settings."""
+    status = _group(inspect.group_status_on(conn, group, member_ttl, RECENTLY_DEPARTED))
+    rows = inspect.check_rows_on(conn, group, max_refunds, member_ttl)
+    word, _ = _verdict(rows, DEFAULT_MAX_AGE)
+    return status, word
 
 
 def check(

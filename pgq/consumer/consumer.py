@@ -22,6 +22,7 @@ from pgq.classify import make_classifier
 from pgq.consumer.gate import Gate
 from pgq.consumer.handling import Handling
 from pgq.consumer.member import Member
+from pgq.consumer.numbers import GroupNumbers, Numbers
 from pgq.consumer.pool import ClaimPool
 from pgq.consumer.runtime import Runtime
 from pgq.consumer.timing import Timings
@@ -122,6 +123,7 @@ class Consumer:
         self._ran_by_run = False
         self._grace = self.settings.shutdown_grace
         self._timings: Timings | None = None
+        self._numbers: GroupNumbers | None = None
 
     @property
     def started(self) -> bool:
@@ -226,6 +228,7 @@ class Consumer:
             max_messages=max_messages,
             wait_retries=wait_retries,
             timings=self._timings,
+            numbers=self._numbers,
         )
         session = member_lock(links.session, info.id, self.name)
         try:
@@ -297,10 +300,18 @@ class Consumer:
         """Have the member record latency histograms (handler runs, claim statements,
         outcome writes; `pgq.consumer.timing`) and return them (the same ones on a
         second call). Call it before `start()`: the threads take their histograms
-        when they start; a consumer that was never asked times nothing."""
+        when they start; a consumer that was never asked times nothing. The member
+        then also reads its group's numbers every few seconds on its own connection
+        (`group_numbers()`, `pgq.consumer.numbers`)."""
         if self._timings is None:
             self._timings = Timings()
+            self._numbers = GroupNumbers()
         return self._timings
+
+    def group_numbers(self) -> Numbers | None:
+        """The group's numbers as the member last read them while measured (None
+        before the first read, or when not measured)."""
+        return None if self._numbers is None else self._numbers.latest()
 
     def in_flight(self) -> int:
         """Rows this member holds a lease on now (buffered, running, or waiting for

@@ -7,6 +7,7 @@ import threading
 from dataclasses import dataclass, field
 
 from pgq.consumer.handling import Handling
+from pgq.consumer.numbers import GroupNumbers
 from pgq.consumer.pool import ClaimPool
 from pgq.consumer.timing import Histogram, Timings
 from pgq.errors import BadDsn, PermissionDenied, PgqError, SchemaMissing
@@ -79,6 +80,9 @@ class Member:
     timings: Timings | None = None
     """The latency histograms, while metrics are served (`Consumer.measure()`); None
     otherwise, and then nothing is timed."""
+    numbers: GroupNumbers | None = None
+    """The group's numbers for the metrics, while they are served (`Consumer.measure()`):
+    a maintenance task keeps them fresh (`pgq.consumer.numbers`)."""
 
     @property
     def name(self) -> str:

@@ -4,7 +4,7 @@
     heartbeat: liveness, lease extension, quorum open, group state ──▶ gate;
                starts the prober
     maintenance: sweep, frontier, statistics, pruning, retention, handler timeouts,
-                 the lag of the progress line
+                 the lag of the progress line, the metrics' group numbers
                  (housekeeping: gives up on a lock after a few seconds)
     progress: the progress line, from memory (never waits for the database)
 
@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from pgq.consumer import progress
+from pgq.consumer import numbers, progress
 from pgq.consumer.acker import Acker
 from pgq.consumer.fetcher import Fetcher
 from pgq.consumer.gate import Gate
@@ -79,6 +79,9 @@ class Runtime:
         every, conn = self.progress.every, self.maintenance.conn
         lag = functools.partial(self.progress.read_lag, conn)
         self.maintenance.add("progress-lag", every, lag, first_in=every / 2)
+        if member.numbers is not None:  # metrics are served: their group numbers
+            refresh = member.numbers.refresher(conn, member.store.group, s, clock)
+            self.maintenance.add("group-numbers", numbers.REFRESH_EVERY, refresh)
         gate.on_change(self.fetcher.wake.set)
         gate.on_change(member.pool.wake)  # a fetcher waiting for space re-checks the gate
         gate.on_change(self.heartbeat.poke)

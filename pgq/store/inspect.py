@@ -109,13 +109,20 @@ def group_status(engine: Engine, group: str, member_ttl: float, recent: float | 
     """Everything `status` shows of `group`; raises `UnknownGroup`. Members as
     `member_rows` reads them."""
     with snapshot(engine) as conn:
-        gid = group_info(conn, group).id
-        row = conn.execute(q.group_row(), {"group_id": gid}).one()
-        counts = conn.execute(q.group_counts(), {"group_id": gid}).one()._asdict()
-        members = _members(conn, member_ttl, recent, gid)
-        prober = _probers(conn, gid).get(gid)
-        oldest = _oldest_ready(conn, gid)
-        return GroupRows(row, counts, members, _holders(conn, [gid])[gid], prober, oldest)
+        return group_status_on(conn, group, member_ttl, recent)
+
+
+def group_status_on(
+    conn: Connection, group: str, member_ttl: float, recent: float | None
+) -> GroupRows:
+    """`group_status` on `conn`, in its transaction (a member's own connection)."""
+    gid = group_info(conn, group).id
+    row = conn.execute(q.group_row(), {"group_id": gid}).one()
+    counts = conn.execute(q.group_counts(), {"group_id": gid}).one()._asdict()
+    members = _members(conn, member_ttl, recent, gid)
+    prober = _probers(conn, gid).get(gid)
+    oldest = _oldest_ready(conn, gid)
+    return GroupRows(row, counts, members, _holders(conn, [gid])[gid], prober, oldest)
 
 
 def all_group_status(engine: Engine, member_ttl: float, recent: float | None) -> list[GroupRows]:
@@ -211,17 +218,20 @@ def check_rows(engine: Engine, group: str, max_refunds: int, member_ttl: float) 
     `member_rows` says with `member_ttl`.
     """
     with snapshot(engine) as conn:
-        gid = group_info(conn, group).id
-        row = conn.execute(aq.check_group(), {"gid": gid}).one()
-        scope = pending_scope(
-            row.state, int(row.epoch), row.reconcile_epoch, row.reconcile_from_epoch
-        )
-        params = {
-            "gid": gid,
-            "max_refunds": max_refunds,
-            "pending_from": scope[0] if scope else None,
-            "pending_to": scope[1] if scope else None,
-        }
-        dead = conn.execute(aq.check_dead(), params).one()
-        live = [m for m in _members(conn, member_ttl, 0.0, gid) if m.live]
-        return CheckRows(row, dead, _oldest_ready(conn, gid), live)
+        return check_rows_on(conn, group, max_refunds, member_ttl)
+
+
+def check_rows_on(conn: Connection, group: str, max_refunds: int, member_ttl: float) -> CheckRows:
+    """`check_rows` on `conn`, in its transaction (a member's own connection)."""
+    gid = group_info(conn, group).id
+    row = conn.execute(aq.check_group(), {"gid": gid}).one()
+    scope = pending_scope(row.state, int(row.epoch), row.reconcile_epoch, row.reconcile_from_epoch)
+    params = {
+        "gid": gid,
+        "max_refunds": max_refunds,
+        "pending_from": scope[0] if scope else None,
+        "pending_to": scope[1] if scope else None,
+    }
+    dead = conn.execute(aq.check_dead(), params).one()
+    live = [m for m in _members(conn, member_ttl, 0.0, gid) if m.live]
+    return CheckRows(row, dead, _oldest_ready(conn, gid), live)

@@ -108,7 +108,8 @@ def test_metrics_host_chooses_the_address(orders, pgq_env, tmp_path, procs):
     def answering() -> dict[str, float] | None:
         if proc.poll() is not None:
             raise AssertionError(f"pgq consume exited {proc.returncode}: {proc.stderr.read()}")
-        return scrape("127.0.0.2", port)
+        found = scrape("127.0.0.2", port)
+        return found if found and "pgq_group_lag" in found else None  # once it read them
 
     assert "pgq_group_lag" in wait_until(answering, 30, "the metrics on 127.0.0.2")
     assert refused("127.0.0.1", port)
