@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pgq.breaker import LeadMove, ProbeVerdict, judge_probe, lead_move
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
+from pgq.consumer.timing import HANDLER
 from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.logcontext import carrying, get_logger
 from pgq.records import BreakerState, BreakerView, Claimed, ErrorClass, Outcome, OutcomeKind
@@ -68,6 +69,8 @@ class Prober(Role):
             idle_timeout=member.settings.breaker_member_ttl,
         )
         self.sitting_out = False
+        self.probe_time = member.histogram(HANDLER)
+        """The probes' handler runs, while metrics are served (else None)."""
 
     # -- election ---------------------------------------------------------------
 
@@ -293,8 +296,9 @@ class Prober(Role):
             daemon=True,
         )
         runner.start()
-        deadline, holding, renewing = self.clock() + timeout, True, True
-        renewed = self.clock()
+        started = self.clock()
+        deadline, holding, renewing = started + timeout, True, True
+        renewed = started
         while runner.is_alive():
             left = deadline - self.clock()
             if left <= 0:
@@ -310,6 +314,8 @@ class Prober(Role):
             if renewing:
                 renewing = self._renew(row, epoch, renewed)
                 renewed = self.clock()
+        if self.probe_time is not None:  # a probe abandoned at its timeout included
+            self.probe_time.observe(self.clock() - started)
         if result:
             return result[0]
         exc = TimeoutError(f"probe ran longer than handler_timeout ({timeout:g}s)")

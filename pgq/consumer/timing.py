@@ -5,7 +5,10 @@ Nothing here is used unless metrics are asked for (`Consumer.measure()`, which
 then takes a `Histogram` of its own when it starts, and otherwise holds None
 and records nothing (no clock read, no lock). What is timed:
 
-- `handler`: each handler run (seconds), recorded by the worker that ran it;
+- `handler`: each handler run (seconds), recorded once per finished attempt: by
+  the worker that ran it, by the watchdog for a run it abandoned at
+  `handler_timeout` (timed up to then; the late return records nothing), and by
+  the prober for a probe's run, so its count equals `pgq_handled_total`;
 - `claim`: each claim statement of the fetcher, waiting for its connection included;
 - `ack`: each batch of outcomes the acker writes (one statement, two when it
   mixes successes and failures), waiting for its connection included.

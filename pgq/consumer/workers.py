@@ -73,17 +73,19 @@ class Worker(Role):
         with self._lock:
             self.current = attempt
         outcome = self.member.handling.run(row)
-        if self.handler_time is not None:
-            self.handler_time.observe(self.clock() - attempt.started)
+        took = self.clock() - attempt.started
         with self._lock:
             self.current = None
-            if attempt.abandoned:
+            if attempt.abandoned:  # the watchdog timed it (once): the attempt it finished
                 logger.warning("late outcome discarded id=%d (handler timed out)", row.id)
                 return
+        if self.handler_time is not None:
+            self.handler_time.observe(took)
         report(self.member, self.gate, self.acker, outcome)
 
-    def abandon_if_overdue(self, now: float, timeout: float) -> Outcome | None:
-        """If the running handler is past `timeout`, abandon it; return its outcome."""
+    def abandon_if_overdue(self, now: float, timeout: float) -> tuple[Outcome, float] | None:
+        """If the running handler is past `timeout`, abandon it; return its outcome and
+        how long it had run."""
         with self._lock:
             attempt = self.current
             if attempt is None or now - attempt.started < timeout:
@@ -93,7 +95,7 @@ class Worker(Role):
         self.retired.set()
         exc = TimeoutError(f"handler ran longer than handler_timeout ({timeout:g}s)")
         logger.warning("handler timed out id=%d thread=%s", attempt.row.id, self.name)
-        return self.member.handling.failure(attempt.row, exc)
+        return self.member.handling.failure(attempt.row, exc), now - attempt.started
 
 
 def report(member: Member, gate: Gate, acker: Acker, outcome: Outcome) -> None:
@@ -115,6 +117,9 @@ class Workers:
         self.clock = clock
         self.threads: list[Worker] = []
         self._spawned = 0
+        self.timed_out = member.histogram(HANDLER)
+        """The handler runs the watchdog abandoned, timed when abandoned (it alone
+        writes them; their worker records nothing); None when nothing is timed."""
 
     def spawn(self) -> Worker:
         self._spawned += 1
@@ -131,9 +136,12 @@ class Workers:
         """Abandon handlers past `handler_timeout` and replace their threads."""
         now, limit = self.clock(), self.member.settings.handler_timeout
         for worker in list(self.threads):
-            outcome = worker.abandon_if_overdue(now, limit)
-            if outcome is not None:
+            abandoned = worker.abandon_if_overdue(now, limit)
+            if abandoned is not None:
+                outcome, took = abandoned
                 self.threads.remove(worker)
+                if self.timed_out is not None:
+                    self.timed_out.observe(took)
                 report(self.member, self.gate, self.acker, outcome)
                 if not self.member.stop_claiming.is_set():
                     self.spawn()
