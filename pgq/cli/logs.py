@@ -268,25 +268,38 @@ def report(text: str, message: str, *, level: str = "INFO", **values: Any) -> No
     click.echo(json.dumps(event, default=str), err=True)
 
 
-SERVED_LIBRARIES = ("waitress",)
-"""Libraries whose warnings and errors pgq's commands report in pgq's own format
-(`pgq web` serves with waitress); they keep their own level (WARNING)."""
+LIBRARIES = ("sqlalchemy", "psycopg", "psycopg_pool", "tenacity", "waitress")
+"""The libraries pgq's commands run on: they log at WARNING and above (unless a
+level was set for them), whatever the level of the other loggers."""
 
 
 def configure_logging(verbose: int, level: str | None = None, log_format: str = "text") -> None:
-    """Send the `pgq` loggers to stderr: INFO by default, DEBUG with `-v`, as text or
-    JSON lines; `SERVED_LIBRARIES` too, at their own level.
+    """Send every log line of the process to stderr through pgq's one handler, as
+    text or JSON lines (DESIGN §7: with `--log-format json` every line pgq writes
+    to stderr is one JSON object), `warnings` included (`logging.captureWarnings`).
 
-    Other libraries stay at the root logger's WARNING. Calling it again (tests
-    invoke the CLI many times in one process) replaces the handler it installed.
+    The `pgq` loggers log at INFO by default (`level`), DEBUG with `-v`. Other
+    loggers (a handler's own, `logging.getLogger("shop")`) log at INFO too, or
+    at `level` when that is higher, unless they set a level of their own;
+    `LIBRARIES` (psycopg, SQLAlchemy, ...) at WARNING. Only the CLI calls this:
+    the library never configures logging. Calling it again (tests invoke the
+    CLI many times in one process) replaces the handler it installed.
     """
     use_format(log_format)
     handler = _StderrHandler()
     handler.setFormatter(JsonFormatter() if _chosen["format"] == "json" else TextFormatter())
-    for name in ("pgq", *SERVED_LIBRARIES):
-        logger = logging.getLogger(name)
+    root = logging.getLogger()
+    for logger in (root, logging.getLogger("pgq")):
         for old in list(logger.handlers):
             if isinstance(old, _StderrHandler):
                 logger.removeHandler(old)
-        logger.addHandler(handler)
-    logging.getLogger("pgq").setLevel(logging.DEBUG if verbose else (level or "INFO").upper())
+    root.addHandler(handler)
+    named = logging.getLevelName((level or "INFO").upper())
+    pgq_level = logging.DEBUG if verbose else named if isinstance(named, int) else logging.INFO
+    logging.getLogger("pgq").setLevel(pgq_level)
+    root.setLevel(max(logging.INFO, pgq_level))
+    for name in LIBRARIES:
+        library = logging.getLogger(name)
+        if library.level == logging.NOTSET:
+            library.setLevel(logging.WARNING)
+    logging.captureWarnings(True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -334,3 +335,45 @@ def test_a_member_logs_its_progress_once_an_interval(orders, monkeypatch, caplog
             "closed",
         )
         assert isinstance(s["rate"], float) and s["rate"] >= 0
+
+
+# -- every line on stderr in pgq's format: other loggers and warnings (issue 21) ------
+
+SHOP_HANDLER = """
+import logging
+import warnings
+
+
+def handle(msg):
+    logging.getLogger("shop").info("charged order %s", msg.id)
+    logging.getLogger("shop").debug("not shown")
+    warnings.warn("the handler's own warning", UserWarning, stacklevel=1)
+"""
+
+
+def test_a_handlers_own_lines_and_warnings_come_in_pgq_text_format(orders, pgq_env, tmp_path):
+    """The CLI puts its handler on the root logger (decision 0032): a handler's own
+    INFO lines show, in pgq's text format, and so do warnings; DEBUG does not."""
+    (tmp_path / "shop_text_handlers.py").write_text(SHOP_HANDLER)
+    pgq.publish(orders, "orders", {"n": 1})
+    env = consumer_env(pgq_env, tmp_path, PGQ_POLL_INTERVAL=0.1)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    args = ("consume", "billing", "--handler", "shop_text_handlers:handle", "--until-empty")
+    out = subprocess.run(
+        [*PGQ, *args], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.splitlines()
+    assert any(re.fullmatch(r"\S+ INFO shop: charged order \d+", line) for line in lines), lines
+    warned = [line for line in lines if " WARNING py.warnings: " in line]
+    assert len(warned) == 1 and "UserWarning: the handler's own warning" in warned[0], lines
+    assert "not shown" not in out.stderr
+    quiet = subprocess.run(
+        [*PGQ, "--log-level", "WARNING", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert quiet.returncode == 0 and "charged order" not in quiet.stderr, quiet.stderr
