@@ -6,8 +6,8 @@
 `handled`: attempts the member finished since the line before; `rate`: those per
 second; `lag`: the group's messages not yet resolved (ready + leased, as `pgq
 status` says; one count through the partial indexes, read by the maintenance
-thread on its connection half an interval before the line; null when no read
-came back within the last interval: the database did not answer); `breaker` and
+thread on its connection at the start and every half interval; null when no
+read came back within the last interval: the database did not answer); `breaker` and
 `local_breaker`: the group's breaker as the member last saw it, and its own.
 
 The line comes from a thread of its own (`pgq-progress`), the first one interval

@@ -65,6 +65,10 @@ class Runtime:
         self.fetcher = Fetcher(member, gate)
         self.heartbeat = Heartbeat(member, gate, session, clock)
         self.maintenance = Maintenance(member, clock)  # leases: the heartbeat extends them
+        self.progress = progress.Progress(member, gate, clock)
+        conn = self.maintenance.conn  # the progress line's lag: first, twice an interval
+        lag = functools.partial(self.progress.read_lag, conn)
+        self.maintenance.add("progress-lag", self.progress.every / 2, lag)
         self.maintenance.add("sweep", max(0.05, min(1.0, s.lease / 3)), self.maintenance.sweep)
         self.maintenance.add("frontier", 1.0, self.maintenance.advance_frontier)
         self.maintenance.add("statistics", 10.0, self.maintenance.refresh_statistics)
@@ -75,10 +79,6 @@ class Runtime:
         self.maintenance.add(
             "handler-timeouts", min(0.5, s.handler_timeout / 4), self.workers.check_timeouts
         )
-        self.progress = progress.Progress(member, gate, clock)
-        every, conn = self.progress.every, self.maintenance.conn
-        lag = functools.partial(self.progress.read_lag, conn)
-        self.maintenance.add("progress-lag", every, lag, first_in=every / 2)
         if member.numbers is not None:  # metrics are served: their group numbers
             refresh = member.numbers.refresher(conn, member.store.group, s, clock)
             self.maintenance.add("group-numbers", numbers.REFRESH_EVERY, refresh)
