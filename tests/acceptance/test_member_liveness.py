@@ -197,14 +197,14 @@ def test_until_empty_sees_a_member_killed_between_its_reads_as_gone(
     between the two counted as live, and the run ended `empty` with the victim's rows
     still leased. Here the kill falls exactly there (after the drain's read of the
     holders); the run must wait for the victim's leases to end and finish its rows."""
-    from pgq.store import group as group_store
+    from pgq.store import membership
 
     pin_frontier(orders, "orders")  # keep the done rows readable
     ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(4)])
     a = member(pgq_env, tmp_path, "a", "--handler", "handlers:gated", "--workers", "4")
     procs.append(a)
     wait_until(lambda: len(read_ids(tmp_path, "started")) == 4, 15, "a to start 4 handlers")
-    real = group_store.lock_holders
+    real = membership.lock_holders
     killed: list[int] = []
 
     def holders_then_kill(conn, gid, purpose, **bounds):
@@ -222,7 +222,7 @@ def test_until_empty_sees_a_member_killed_between_its_reads_as_gone(
             )
         return found
 
-    monkeypatch.setattr(group_store, "lock_holders", holders_then_kill)
+    monkeypatch.setattr(membership, "lock_holders", holders_then_kill)
     handled: list[int] = []
     consumer = pgq.Consumer(orders, "billing", lambda m: handled.append(m.id), **FAST)
     summary = consumer.run(until_empty=True, max_runtime=60)
