@@ -561,8 +561,10 @@ def message(engine: Engine, group: str, message_id: int) -> dict[str, Any]:
     "behind_frontier", "row", "purge", "unreadable"}`.
 
     `row` says what is left of the group's delivery row: `"present"`;
-    `"pruned"` (no row, behind the frontier: a done row the frontier deleted, so
-    `state` is `done` and the row's own fields are None); `"purged"` (no row,
+    `"pruned"` (no row, and behind the frontier or one the group had a row for —
+    it started `earliest`, or the message came after it subscribed: a done row its
+    ack or the frontier deleted, so `state` is `done` and the row's own fields are
+    None); `"purged"` (no row,
     and a `pgq purge` audit row lists the id: `state` is `purged` and `purge`
     names that audit row). `unreadable` says why `payload`/`headers` are None
     when they are stored but too deeply nested to decode. Raises `UsageError`
@@ -573,7 +575,8 @@ def message(engine: Engine, group: str, message_id: int) -> dict[str, Any]:
     from a pruned one: it shows as done.
     """
     row = admin.message_row(engine, group, message_id)
-    if row is None or not (row.has_row or row.purge_audit_id is not None or row.behind_frontier):
+    finished = row is not None and (row.behind_frontier or bool(row.published_after))
+    if row is None or not (row.has_row or row.purge_audit_id is not None or finished):
         raise UsageError(f"group {group!r} has no message {message_id}")
     payload, bad_payload = _decoded(row.payload)
     headers, bad_headers = _decoded(row.headers)

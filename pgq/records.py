@@ -45,6 +45,14 @@ class LocalBreakerState(_Word):
     CLOSED = "closed"
 
 
+class Start(_Word):
+    """Where a group's delivery starts (`subscribe(start=...)`, `consumer_group.start`):
+    every retained message, or those published after it subscribed."""
+
+    EARLIEST = "earliest"
+    LATEST = "latest"
+
+
 class RowState(_Word):
     """A delivery row's state (`delivery.state`)."""
 

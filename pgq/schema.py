@@ -32,7 +32,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
 from sqlalchemy.types import UserDefinedType
 
-from pgq.records import BreakerState, ErrorClass, LocalBreakerState, RowState
+from pgq.records import BreakerState, ErrorClass, LocalBreakerState, RowState, Start
 
 SCHEMA_PLACEHOLDER = "pgq"
 """The schema name the tables are declared in; translated at run time."""
@@ -110,6 +110,10 @@ consumer_group = Table(
     Column("name", Text, nullable=False, unique=True),
     Column("topic_id", Integer, ForeignKey("pgq.topic.id"), nullable=False),
     _now_column("created_at"),
+    # where its delivery started (schema version 6; NULL for groups subscribed
+    # before): `pgq show` tells a finished message whose row the ack deleted by it
+    Column("start", Text),
+    CheckConstraint(_one_of("start", *Start), name="consumer_group_start_check"),
 )
 """What a group is: nothing here changes after subscribe (on Citus a reference table,
 copied to every node; decision 0023)."""
@@ -121,6 +125,9 @@ group_state = Table(
     # the contiguity frontier: every delivery row at or below (xid, id) is resolved
     Column("committed_xid", XID8(), nullable=False, server_default=text("'0'::xid8")),
     Column("committed_id", BigInteger),
+    # finished rows gone from `delivery`: deleted by the ack that finished them, or
+    # (the one row an ack keeps per batch, and rows of earlier versions' members)
+    # pruned behind the frontier (decision 0037)
     _counter("done_pruned"),
     _counter("reclaimed_total"),
     _counter("released_total"),

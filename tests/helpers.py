@@ -138,6 +138,14 @@ def rows(engine: Engine, group: str) -> dict[int, Any]:
     return {r.message_id: r for r in found}
 
 
+def state_of(found: dict[int, Any], mid: int) -> str:
+    """The state of message `mid` in `rows()`'s answer `found`: a message of the group
+    without a row was finished (the ack deletes what it finishes, keeping one row per
+    batch; the frontier prunes that one)."""
+    row = found.get(mid)
+    return "done" if row is None else str(row.state)
+
+
 def states(engine: Engine, group: str) -> Counter[str]:
     """How many delivery rows of `group` are in each state."""
     return Counter(r.state for r in rows(engine, group).values())

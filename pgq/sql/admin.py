@@ -33,6 +33,7 @@ from sqlalchemy import (
     insert,
     literal,
     literal_column,
+    or_,
     select,
     true,
     tuple_,
@@ -43,7 +44,7 @@ from sqlalchemy.schema import DropSchema
 from sqlalchemy.sql import ColumnElement, Executable, Insert, Select
 
 from pgq import schema as t
-from pgq.records import BreakerState, ErrorClass
+from pgq.records import BreakerState, ErrorClass, Start
 from pgq.sql.refunds import charged_within
 
 d, br, g, gs, audit = t.delivery, t.breaker, t.consumer_group, t.group_state, t.audit
@@ -369,13 +370,15 @@ def message_in_group() -> Select[Any]:
     lists the id. The second read of `pgq show` (after `message_of_topic`); on
     Citus routed to the group's shard.
 
-    Without a delivery row (`has_row` false) `behind_frontier` tells a done row
-    the frontier pruned: the message's position (`:message_xid`, `:mid`) is at or
-    behind the frontier. On Citus the message's xid is the coordinator's and the
-    frontier counts in the group's node's xids (0023, section 5), so it is called
-    with `:message_xid` None and the id alone is compared: a pruned row whose id
-    is above the frontier's (a later id committed first) shows as not the
-    group's there.
+    Without a delivery row (`has_row` false) `published_after` tells a message
+    the group had a row for: it started `earliest` (schema version 6), or the
+    message was published after it subscribed (`:message_created_at` at or after
+    the group's creation); the row went with its ack (or a purge).
+    `behind_frontier` tells a done row the frontier pruned: the message's
+    position (`:message_xid`, `:mid`) is at or behind the frontier. On Citus the
+    message's xid is the coordinator's and the frontier counts in the group's
+    node's xids (0023, section 5), so it is called with `:message_xid` None and
+    the id alone is compared.
     """
     gid, mid = bindparam("gid", type_=Integer), bindparam("mid", type_=BigInteger)
     xid = cast(bindparam("message_xid", type_=Text), t.XID8())
@@ -398,6 +401,15 @@ def message_in_group() -> Select[Any]:
             else_=tuple_(xid, mid) <= tuple_(gs.c.committed_xid, gs.c.committed_id),
         ),
     )
+    # the group had a row for the message (it started from the earliest retained
+    # message, or the message came after it subscribed), so without one the message
+    # was finished (the ack deletes what it finishes) or purged
+    created_at = bindparam("message_created_at", type_=t.message.c.created_at.type)
+    published_after = (
+        select(or_(g.c.start == Start.EARLIEST.value, g.c.created_at <= created_at))
+        .where(g.c.id == gid)
+        .scalar_subquery()
+    )
     return (
         select(
             d.c.message_id.is_not(None).label("has_row"),
@@ -419,6 +431,7 @@ def message_in_group() -> Select[Any]:
             purge.c.at.label("purged_at"),
             purge.c.actor.label("purged_by"),
             purge.c.reason.label("purge_reason"),
+            published_after.label("published_after"),
         )
         .select_from(
             gs.outerjoin(d, and_(d.c.group_id == gs.c.group_id, d.c.message_id == mid)).outerjoin(

@@ -19,29 +19,53 @@ from sqlalchemy import (
     Float,
     Integer,
     Text,
+    any_,
     bindparam,
     case,
     func,
     literal_column,
     select,
     text,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
-from pgq.sql.claim import fenced, held_by, pairwise
+from pgq.sql.claim import fenced, held_by
 
 d = t.delivery
 
 
 @cache
 def ack_done() -> Executable:
-    """Mark the leases `:ids`/`:seqs` of `:group_id` done, charging one attempt each."""
-    return (
-        update(d)
+    """Finish the leases `:ids`/`:seqs` of `:gid` held by `:member`; returns the
+    (message_id, lease_seq) of those applied.
+
+    The rows go at once (decision 0037): a delete maintains no index, where
+    marking them done wrote a new version into three and left the frontier a
+    delete to do later. One row per batch stays, marked done with its attempt
+    charged: the batch's last in (xid, id) order, for the frontier to land on
+    (it passes only rows that exist; the globally last row of a drained group is
+    always such a row, so at rest `committed` is the last message, as before).
+    The frontier prunes it as it did every done row. The deleted rows are counted
+    into the group's `done_pruned` in the same statement: its row lock is held from
+    here to the commit, a millisecond per batch, which members' ackers take in turn
+    (the frontier's advance skips the row while one holds it, and tries again).
+    """
+    position = tuple_(d.c.xid, d.c.message_id)
+    last = (
+        select(d.c.xid, d.c.message_id)
         .where(fenced())
+        .order_by(d.c.xid.desc(), d.c.message_id.desc())
+        .limit(literal_column("1"))
+        .cte("last")
+    )
+    is_last = position.in_(select(last.c.xid, last.c.message_id))
+    marked = (
+        update(d)
+        .where(fenced(), is_last)
         .values(
             state=t.DONE,
             attempts=d.c.attempts + 1,
@@ -50,6 +74,23 @@ def ack_done() -> Executable:
             updated_at=func.now(),
         )
         .returning(d.c.message_id, d.c.lease_seq)
+        .cte("marked")
+    )
+    gone = d.delete().where(fenced(), ~is_last).returning(d.c.message_id, d.c.lease_seq).cte("gone")
+    gs = t.group_state
+    counted = (
+        update(gs)
+        .where(gs.c.group_id == bindparam("gid"))
+        .values(
+            done_pruned=gs.c.done_pruned + select(func.count()).select_from(gone).scalar_subquery()
+        )
+        .returning(gs.c.group_id)
+        .cte("counted")
+    )
+    return (
+        select(marked.c.message_id, marked.c.lease_seq)
+        .union_all(select(gone.c.message_id, gone.c.lease_seq))
+        .add_cte(counted)
     )
 
 
@@ -131,11 +172,15 @@ def _available_at() -> ColumnElement[Any]:
 
 @cache
 def settled() -> Executable:
-    """The rows of the leases `:ids`/`:seqs` of `:gid` that are no longer leased but
-    still carry those lease tokens (each pair matched; a claim's token is never
-    given again: only the holder's outcome or an expiry sweep could have ended
-    them): their state and attempts, from which the caller tells its own outcome,
-    written by a statement whose answer was lost, from a reclaim."""
-    return select(d.c.message_id, d.c.lease_seq, d.c.state, d.c.attempts).where(
-        held_by(d.c.lease_owner.is_(None)), pairwise()
+    """The rows of `:gid` for the messages `:ids`, whoever holds them: lease token,
+    state, attempts and whether a lease is held. From them the caller tells its
+    own outcome, written by a statement whose answer was lost, from a reclaim: a
+    row no longer leased that still carries the outcome's token (a claim's token
+    is never given again: only the holder's outcome or an expiry sweep could have
+    ended it), or for a success no row at all (the ack deletes what it finishes)."""
+    return select(
+        d.c.message_id, d.c.lease_seq, d.c.state, d.c.attempts, d.c.lease_owner.is_(None)
+    ).where(
+        d.c.group_id == bindparam("gid"),
+        d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
     )

@@ -39,10 +39,11 @@ def topic_id() -> Executable:
 
 @cache
 def insert_group() -> Executable:
-    """Create group `:name` on topic `:topic_id`; returns its id, nothing if it exists."""
+    """Create group `:name` on topic `:topic_id` starting at `:start`; returns its id,
+    nothing if it exists."""
     return (
         pg_insert(t.consumer_group)
-        .values(name=bindparam("name"), topic_id=bindparam("topic_id"))
+        .values(name=bindparam("name"), topic_id=bindparam("topic_id"), start=bindparam("start"))
         .on_conflict_do_nothing(index_elements=["name"])
         .returning(t.consumer_group.c.id)
     )

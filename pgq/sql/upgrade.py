@@ -7,6 +7,7 @@ from sqlalchemy import Column, Integer, MetaData, Table, insert, select, text, u
 from sqlalchemy.sql import Executable, TextClause
 
 from pgq import schema as t
+from pgq.records import Start
 
 
 def columns_of() -> Executable:
@@ -49,6 +50,16 @@ def add_text_columns(qualified: str, columns: list[str]) -> TextClause:
     and schema-qualified), without defaults: the rows there stay NULL."""
     adds = ", ".join(f'ADD COLUMN "{name}" text' for name in columns)
     return text(f"ALTER TABLE {qualified} {adds}")
+
+
+def add_group_start(qualified: str) -> TextClause:
+    """Schema version 6: where a group started (`qualified`: the consumer_group table,
+    quoted and schema-qualified); NULL for the groups that exist."""
+    starts = ", ".join(f"'{start.value}'" for start in Start)
+    return text(
+        f"ALTER TABLE {qualified} ADD COLUMN start text"
+        f" CONSTRAINT consumer_group_start_check CHECK (start IN ({starts}))"
+    )
 
 
 def role_default(qualified: str) -> TextClause:

@@ -266,7 +266,12 @@ def message_row(engine: Engine, group: str, message_id: int) -> MessageRow | Non
         if message is None:
             return None
         xid = None if distributed(conn) else message.xid
-        params = {"gid": info.id, "mid": mid, "message_xid": xid}
+        params = {
+            "gid": info.id,
+            "mid": mid,
+            "message_xid": xid,
+            "message_created_at": message.created_at,
+        }
         row = conn.execute(q.message_in_group(), params).one_or_none()
         if row is None:  # no group_state row (a group subscribed by a version before 4)
             return None
@@ -301,6 +306,7 @@ class MessageRow(NamedTuple):
     purged_at: dt.datetime | None
     purged_by: str | None
     purge_reason: str | None
+    published_after: bool
 
 
 def audit_names(info: GroupInfo) -> dict[str, Any]:

@@ -93,6 +93,16 @@ def _v5_audit_names(conn: Connection) -> None:
     conn.execute(upgrade.name_audit_rows())
 
 
+def _v6_group_start(conn: Connection) -> None:
+    # The ack deletes the rows it finishes (decision 0037): `pgq show` tells a
+    # finished message from one the group never had by where the group started.
+    # Groups subscribed before keep NULL (not known). A fresh install already has
+    # the column from version 1 (the tables as declared).
+    params = {"schema": schema_of(conn), "table": t.consumer_group.name}
+    if "start" not in set(conn.execute(upgrade.columns_of(), params).scalars()):
+        conn.execute(upgrade.add_group_start(_qualified(conn, t.consumer_group)))
+
+
 def _granted(conn: Connection, statements: list[str]) -> None:
     for statement in statements:
         logger.info("migration granted schema=%s statement=%s", schema_of(conn), statement)
@@ -110,6 +120,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection], None]], ...] = (
     (3, "the probe log", _v3_probe_log),
     (4, "group state apart from the group, delivery xid from its insert", _v4_group_state),
     (5, "audit rows name their role, group and topic", _v5_audit_names),
+    (6, "a group records where it started", _v6_group_start),
 )
 LATEST = MIGRATIONS[-1][0]
 

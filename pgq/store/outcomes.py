@@ -68,25 +68,26 @@ class Outcomes(GroupScope):
     def settled(self, conn: Connection, outcomes: list[Outcome]) -> set[Lease]:
         """Of `outcomes` whose write was not seen to apply, the leases the database shows
         settled exactly as their outcome says (a write that committed but whose answer
-        a cut connection lost): done rows for successes; for failures the state and
-        the attempt count the outcome sets (an expiry sweep leaves the count alone)."""
+        a cut connection lost): for successes the row gone (the ack deletes it) or
+        marked done; for failures the state and the attempt count the outcome sets
+        (an expiry sweep leaves the count alone). A success whose row another member
+        reclaimed and finished after the cut counts as settled too: the message was
+        done, and the reclaim explains the second run."""
         if not outcomes:
             return set()
-        params = {
-            "gid": self.gid,
-            "ids": [o.claimed.id for o in outcomes],
-            "seqs": [o.claimed.seq for o in outcomes],
-        }
-        rows = {(r[0], r[1]): r for r in conn.execute(outcome_sql.settled(), params)}
+        params = {"gid": self.gid, "ids": [o.claimed.id for o in outcomes]}
+        rows = {r[0]: r for r in conn.execute(outcome_sql.settled(), params)}
         found: set[Lease] = set()
         for o in outcomes:
-            row = rows.get(o.claimed.lease)
+            row = rows.get(o.claimed.id)
             if row is None:
+                if o.kind == OutcomeKind.DONE:
+                    found.add(o.claimed.lease)
                 continue
-            state = _row_state(o.kind)
+            _, seq, state, attempts, released = row
+            if seq != o.claimed.seq or not released or state != _row_state(o.kind):
+                continue
             charge = 0 if o.kind in (OutcomeKind.DONE, OutcomeKind.SNOOZE) else 1
-            if row[2] == state and (
-                o.kind == OutcomeKind.DONE or row[3] == o.claimed.attempts + charge
-            ):
+            if o.kind == OutcomeKind.DONE or attempts == o.claimed.attempts + charge:
                 found.add(o.claimed.lease)
         return found

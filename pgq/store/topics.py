@@ -70,7 +70,8 @@ def subscribe(
             topic_id = conn.execute(q.lock_topic_for_subscribe(), {"name": topic}).scalar()
         if topic_id is None:
             raise UnknownTopic(f"unknown topic {topic!r}")
-        group_id = conn.execute(q.insert_group(), {"name": group, "topic_id": topic_id}).scalar()
+        params = {"name": group, "topic_id": topic_id, "start": start}
+        group_id = conn.execute(q.insert_group(), params).scalar()
         if group_id is None:
             existing = conn.execute(q.group_by_name(), {"name": group}).one()
             if existing.topic != topic:

@@ -86,19 +86,23 @@ def two_workers() -> Iterator[tuple[Engine, int, int]]:
 
 def ack(engine: Engine, gid: int, ids: list[int]) -> None:
     """Lease `ids` of group `gid` by hand (the claim does not run here yet), then ack
-    them with the production statement."""
+    them with the production statement, one batch each: a batch keeps its last row
+    (marked done) and deletes the others, so a batch of one keeps every row for the
+    frontier to pass and prune here."""
     s = schema_of(engine)
     with engine.begin() as conn:
         leased = conn.execute(
             text(
                 f"UPDATE \"{s}\".delivery SET state = 'leased', lease_owner = 'm1',"
                 " lease_seq = message_id + 1000, lease_expires_at = now() + interval '1 min'"
-                " WHERE group_id = :gid AND message_id = ANY(:ids) RETURNING lease_seq"
+                " WHERE group_id = :gid AND message_id = ANY(:ids) RETURNING message_id, lease_seq"
             ),
             {"gid": gid, "ids": ids},
-        ).scalars()
-        params = {"gid": gid, "member": "m1", "ids": ids, "seqs": list(leased)}
-        assert len(conn.execute(outcomes.ack_done(), params).all()) == len(ids)
+        ).all()
+        assert len(leased) == len(ids)
+        for mid, seq in leased:
+            params = {"gid": gid, "member": "m1", "ids": [mid], "seqs": [seq]}
+            assert len(conn.execute(outcomes.ack_done(), params).all()) == 1
 
 
 def frontier(engine: Engine, gid: int) -> tuple[int | None, int]:
