@@ -1,0 +1,112 @@
+"""Attacks on the ack that deletes what it finishes (schema version 6, decision 0037).
+
+Each test here failed on the branch `ackdel` (7d4495d) when it was written: a defect
+found with real processes, written down as the smallest reproduction.
+
+- An earlier (version 5) member forgets a departed member of today's version with
+  its own statement, which deletes the member row without folding `done_total`
+  into `done_pruned`: the group's done count drops by what that member finished.
+  Found with real processes (`pgq consume` of c622049 started after a v6 member ran
+  `--until-empty` on the same group: done 2000 -> 1732).
+- An ack by a member whose row is gone (forgotten while its session was lost and
+  it held no lease, then it claimed again) deletes the rows and counts them
+  nowhere.
+- `pgq show` of a finished message a group got from `--from earliest` (its
+  backfilled row deleted by the ack) while the frontier has not passed it: "group
+  has no message" (it is not "published after the group subscribed").
+"""
+
+from __future__ import annotations
+
+from helpers import rows
+from sqlalchemy import Engine, text
+
+import pgq
+from pgq import monitor
+from pgq.records import Outcome
+from pgq.store import GroupStore, group_info, run_once
+from pgq.store.members import forget_departed
+
+
+def _earlier_forget_departed(engine: Engine, schema: str, gid: int) -> list[str]:
+    """The earlier version's `forget_departed` (c622049), as it runs against a schema
+    of version 6: a plain delete of the departed member rows that hold no lease
+    (its session test is left out: the member here has left and holds no lock)."""
+    with engine.begin() as conn:
+        return list(
+            conn.execute(
+                text(
+                    f'DELETE FROM "{schema}".member m WHERE m.group_id = :gid'
+                    " AND coalesce(m.left_at, m.last_seen) < now() - interval '0 s'"
+                    f' AND NOT EXISTS (SELECT 1 FROM "{schema}".delivery d'
+                    " WHERE d.group_id = :gid AND d.state = 'leased'"
+                    " AND d.lease_owner = m.name) RETURNING m.name"
+                ),
+                {"gid": gid},
+            ).scalars()
+        )
+
+
+def test_attack_ackdel_an_earlier_member_forgetting_a_v6_member_keeps_the_done_count(
+    orders: Engine, schema: str
+) -> None:
+    """During the upgrade window a version-5 member starts (its first maintenance
+    round forgets departed members) after a version-6 member finished 30 messages
+    and left: the group's done count must stay 30."""
+    engine = orders
+    pgq.publish_many(engine, "orders", [{"n": i} for i in range(30)])
+    summary = pgq.Consumer(engine, "billing", lambda m: None, workers=2).run(until_empty=True)
+    assert summary.done == 30
+    assert pgq.status(engine, "billing")["counts"]["done"] == 30
+    gid = group_info(engine, "billing").id
+
+    assert len(_earlier_forget_departed(engine, schema, gid)) == 1
+
+    assert pgq.status(engine, "billing")["counts"]["done"] == 30
+
+
+def test_attack_ackdel_an_ack_after_the_member_row_was_forgotten_is_still_counted(
+    orders: Engine,
+) -> None:
+    """A member whose session was lost and whose heartbeat went stale held no lease
+    when another member forgot it; it then claimed and finished 8 messages before
+    its heartbeat found the row gone. The 8 are done: the count must say so."""
+    engine = orders
+    pgq.publish_many(engine, "orders", [{"n": i} for i in range(8)])
+    gid = group_info(engine, "billing").id
+    store = GroupStore(gid, "billing", "orders", "m", 30.0, 3)
+    run_once(engine, store.join, 30.0, True)
+    with engine.begin() as conn:
+        assert forget_departed(conn, gid, 0.0) == ["m"]
+
+    claimed = run_once(engine, store.claim, 8, 0)
+    applied = run_once(engine, store.record, [Outcome(c, "done") for c in claimed])
+
+    assert len(applied) == 8
+    assert len(rows(engine, "billing")) == 1  # the batch's last, kept done
+    assert pgq.status(engine, "billing")["counts"]["done"] == 8
+
+
+def test_attack_ackdel_show_of_a_finished_message_the_group_got_from_earliest(
+    engine: Engine,
+) -> None:
+    """A group subscribed `--from earliest` (the default) gets rows for the messages
+    published before it. Once one is finished its row is gone; while the frontier has
+    not passed it (held here by a message due in an hour, published first) `pgq show`
+    must still say done, as it did when the done row stayed until the frontier."""
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "other", "t")  # so the pin's delay is kept for `g` too
+    pgq.publish(engine, "t", {"pin": True}, delay=3600)  # holds `g`'s frontier
+    ids = pgq.publish_many(engine, "t", [{"n": 1}, {"n": 2}])
+    pgq.subscribe(engine, "g", "t")  # from earliest: rows for all three
+    gid = group_info(engine, "g").id
+    store = GroupStore(gid, "g", "t", "m", 30.0, 3)
+    run_once(engine, store.join, 30.0, True)
+    claimed = run_once(engine, store.claim, 5, 0)
+    assert sorted(c.id for c in claimed) == ids
+    run_once(engine, store.record, [Outcome(c, "done") for c in claimed])
+    assert ids[0] not in rows(engine, "g")  # deleted by its ack
+
+    shown = monitor.message(engine, "g", ids[0])
+
+    assert (shown["state"], shown["row"]) == ("done", "pruned")
