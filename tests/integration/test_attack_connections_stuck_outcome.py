@@ -71,8 +71,10 @@ def _stuck_write(
         text(f'SELECT 1 FROM "{schema}".delivery WHERE message_id = :id FOR UPDATE'), {"id": mid}
     )
     go.set()
+    # the ack opens with its `last` CTE; pg_stat_activity keeps only the first kB of
+    # a statement (track_activity_query_size), which holds no `state`
     wait_until(
-        lambda: waiting_on(engine, pid, "%state%"),
+        lambda: waiting_on(engine, pid, "WITH last AS%"),
         20,
         "the acker's outcome write to wait on the test's row lock",
     )
