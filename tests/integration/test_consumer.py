@@ -167,15 +167,17 @@ def test_a_handler_longer_than_the_lease_keeps_its_rows(orders):
         c.start()
     try:
         wait_until(lambda: len(handled) == 2, 15, "both handlers to finish")
-        wait_until(lambda: states(orders, "billing")["done"] == 2, 5, "both rows done")
+        # one member may have run both: its ack deleted one row, marked the other done
+        wait_until(
+            lambda: pgq.status(orders, "billing")["counts"]["done"] == 2, 5, "both rows done"
+        )
     finally:
         for c in members:
             c.stop()
     assert sorted(mid for _, mid in handled) == ids  # each exactly once
-    found = rows(orders, "billing")
-    assert [(found[mid].state, found[mid].attempts, found[mid].reclaims) for mid in ids] == [
-        ("done", 1, 0)
-    ] * 2
+    kept = [r for mid, r in rows(orders, "billing").items() if mid in ids]
+    assert kept  # a batch keeps its last row (pinned: not pruned)
+    assert [(r.state, r.attempts, r.reclaims) for r in kept] == [("done", 1, 0)] * len(kept)
     assert pgq.status(orders, "billing")["totals"]["reclaimed"] == 0
 
 
@@ -222,11 +224,14 @@ def test_max_messages_stops_after_that_many_finished_attempts(orders):
     pgq.publish_many(orders, "orders", [{"n": i} for i in range(30)])
     summary = consumer(orders, handler, workers=3, max_attempts=5).run(max_messages=5)
     assert summary.stop_reason == "max_messages"
-    assert summary.handled == 5
+    assert summary.handled == summary.done + summary.retried == 5
+    # the ack deleted most done rows: their attempts are the group's done count
+    status = pgq.status(orders, "billing")
+    assert status["counts"]["done"] == summary.done
     found = rows(orders, "billing").values()
-    assert sum(r.attempts for r in found) == 5
+    assert sum(r.attempts for r in found if r.state != "done") == summary.retried
     assert states(orders, "billing")["leased"] == 0
-    assert all(r.reclaims == 0 for r in found)
+    assert status["totals"]["reclaimed"] == 0
 
 
 def test_max_runtime_stops_gracefully(orders):
