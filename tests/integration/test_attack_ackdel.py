@@ -14,6 +14,11 @@ found with real processes, written down as the smallest reproduction.
 - `pgq show` of a finished message a group got from `--from earliest` (its
   backfilled row deleted by the ack) while the frontier has not passed it: "group
   has no message" (it is not "published after the group subscribed").
+- A running member's own read of the group's numbers (its metrics,
+  `monitor.group_numbers` on its READ COMMITTED connection) reads `done_pruned`,
+  the done rows and the members' `done_total` in three statements: a member
+  forgotten between the first and the last (its `done_total` folded into
+  `done_pruned`) is counted nowhere, and the counter `pgq_group_done` drops.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from sqlalchemy import Engine, text
 import pgq
 from pgq import monitor
 from pgq.records import Outcome
+from pgq.sql import status as status_sql
 from pgq.store import GroupStore, group_info, run_once
 from pgq.store.members import forget_departed
 
@@ -110,3 +116,31 @@ def test_attack_ackdel_show_of_a_finished_message_the_group_got_from_earliest(
     shown = monitor.message(engine, "g", ids[0])
 
     assert (shown["state"], shown["row"]) == ("done", "pruned")
+
+
+def test_attack_ackdel_a_members_numbers_read_keeps_a_member_forgotten_meanwhile(
+    orders: Engine, monkeypatch
+) -> None:
+    """The read of a running member's metrics (`monitor.group_numbers` on its own
+    connection, READ COMMITTED) while another member's maintenance forgets a
+    departed member: `done` (the counter `pgq_group_done`) must not drop from 30."""
+    engine = orders
+    pgq.publish_many(engine, "orders", [{"n": i} for i in range(30)])
+    summary = pgq.Consumer(engine, "billing", lambda m: None, workers=2).run(until_empty=True)
+    assert summary.done == 30
+    gid = group_info(engine, "billing").id
+    real = status_sql.group_counts
+
+    def forget_meanwhile():  # between the read of `done_pruned` and the rest
+        with engine.begin() as other:
+            assert len(forget_departed(other, gid, 0.0)) == 1
+        return real()
+
+    with engine.connect() as conn, conn.begin():
+        before = monitor.group_numbers(conn, "billing", member_ttl=10.0, max_refunds=3)[0]
+    assert before.counts.done == 30
+    monkeypatch.setattr(status_sql, "group_counts", forget_meanwhile)
+    with engine.connect() as conn, conn.begin():
+        after = monitor.group_numbers(conn, "billing", member_ttl=10.0, max_refunds=3)[0]
+
+    assert after.counts.done == 30
