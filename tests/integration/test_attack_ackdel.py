@@ -19,11 +19,13 @@ found with real processes, written down as the smallest reproduction.
   the done rows and the members' `done_total` in three statements: a member
   forgotten between the first and the last (its `done_total` folded into
   `done_pruned`) is counted nowhere, and the counter `pgq_group_done` drops.
+- `pgq show` (text) of a message whose ack deleted its row ahead of the frontier
+  says "row pruned behind the frontier" over a line "behind frontier  no".
 """
 
 from __future__ import annotations
 
-from helpers import rows
+from helpers import invoke, rows
 from sqlalchemy import Engine, text
 
 import pgq
@@ -144,3 +146,26 @@ def test_attack_ackdel_a_members_numbers_read_keeps_a_member_forgotten_meanwhile
         after = monitor.group_numbers(conn, "billing", member_ttl=10.0, max_refunds=3)[0]
 
     assert after.counts.done == 30
+
+
+def test_attack_ackdel_show_text_of_a_row_its_ack_deleted_ahead_of_the_frontier(
+    orders: Engine, pgq_env: dict[str, str]
+) -> None:
+    """The text of `pgq show` must not say the row was pruned behind the frontier
+    when the message is not behind it (its own ack deleted the row)."""
+    engine = orders
+    pgq.publish(engine, "orders", {"pin": True}, delay=3600)  # holds the frontier
+    ids = pgq.publish_many(engine, "orders", [{"n": 1}, {"n": 2}])
+    gid = group_info(engine, "billing").id
+    store = GroupStore(gid, "billing", "orders", "m", 30.0, 3)
+    run_once(engine, store.join, 30.0, True)
+    claimed = run_once(engine, store.claim, 5, 0)
+    run_once(engine, store.record, [Outcome(c, "done") for c in claimed])
+    assert monitor.message(engine, "billing", ids[0])["behind_frontier"] is False
+
+    result = invoke(pgq_env, "show", "billing", str(ids[0]))
+
+    assert result.exit_code == 0, result.output
+    state = next(line for line in result.stdout.splitlines() if line.startswith("state"))
+    assert state.split(None, 1)[1].startswith("done")
+    assert "behind the frontier" not in state, result.stdout
