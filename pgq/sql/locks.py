@@ -18,9 +18,10 @@ from sqlalchemy import (
     literal_column,
     select,
     table,
+    text,
     true,
 )
-from sqlalchemy.sql import ColumnElement, Select
+from sqlalchemy.sql import ColumnElement, Select, TextClause
 
 pg_locks = table(
     "pg_locks",
@@ -137,6 +138,13 @@ def lock_timeout() -> Select[tuple[str]]:
     """Make this transaction's statements give up waiting for a lock after `:ms`
     milliseconds (SQLSTATE 55P03, `lock_timeout`); reset at its end."""
     return select(func.set_config(literal("lock_timeout"), bindparam("ms"), true()))
+
+
+@cache
+def repeatable_read() -> TextClause:
+    """Make this transaction REPEATABLE READ: every later statement of it sees the
+    snapshot its first one takes (must be its first statement)."""
+    return text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
 
 
 def group_key(schema: str, group: str) -> int:

@@ -55,6 +55,7 @@ from pgq.sql.locks import (
     idle_session_timeout,
     lock_key,
     lock_timeout,
+    repeatable_read,
     try_session_lock,
     unlock_session,
 )
@@ -322,9 +323,12 @@ class RoleConnection:
         self.stop = stop
         self._lock_ms = None if lock_timeout is None else str(max(1, round(lock_timeout * 1000)))
 
-    def run(self, fn: Callable[..., T], *args: Any, single: bool = False) -> T:
+    def run(
+        self, fn: Callable[..., T], *args: Any, single: bool = False, snapshot: bool = False
+    ) -> T:
         """`fn(conn, *args)` in one transaction on this role's connection (`single`:
-        `fn` runs one hot statement, which commits by itself; no lock timeout)."""
+        `fn` runs one hot statement, which commits by itself; no lock timeout;
+        `snapshot`: every statement of `fn` sees one snapshot, REPEATABLE READ)."""
         link = self.link
         link.take_turn(self.stop)
         try:
@@ -334,6 +338,8 @@ class RoleConnection:
                 if single:
                     return _autocommitted(conn, fn, *args)
                 with conn.begin():
+                    if snapshot:  # the transaction's first statement, as it must be
+                        conn.execute(repeatable_read())
                     if self._lock_ms is not None:
                         conn.execute(lock_timeout(), {"ms": self._lock_ms})
                     return fn(conn, *args)
