@@ -311,8 +311,10 @@ def _json_text(value: Any) -> str:
 def message_lines(m: dict[str, Any]) -> list[str]:
     """`pgq show GROUP ID`: one `name  value` line per field."""
     state = m["state"]
-    if m["row"] == "pruned":
+    if m["row"] == "pruned" and m["behind_frontier"]:
         state += " (row pruned behind the frontier: its counters are gone)"
+    elif m["row"] == "pruned":
+        state += " (row deleted by its ack: its counters are gone)"
     elif m["row"] == "purged":
         p = m["purge"]
         state += f" (audit {p['audit_id']}, {p['at']}, by {p['actor']}: {one_line(p['reason'])})"
