@@ -15,24 +15,31 @@ found with real processes, written down as the smallest reproduction.
   backfilled row deleted by the ack) while the frontier has not passed it: "group
   has no message" (it is not "published after the group subscribed").
 - A running member's own read of the group's numbers (its metrics,
-  `monitor.group_numbers` on its READ COMMITTED connection) reads `done_pruned`,
-  the done rows and the members' `done_total` in three statements: a member
-  forgotten between the first and the last (its `done_total` folded into
-  `done_pruned`) is counted nowhere, and the counter `pgq_group_done` drops.
+  `monitor.group_numbers` on its READ COMMITTED connection) read `done_pruned`
+  and the done rows in separate statements: a prune (or, in the first design, a
+  member forgotten) between them counted a message twice or not at all, and the
+  counter `pgq_group_done` moved back.
 - `pgq show` (text) of a message whose ack deleted its row ahead of the frontier
   says "row pruned behind the frontier" over a line "behind frontier  no".
 """
 
 from __future__ import annotations
 
-from helpers import invoke, rows
+import threading
+import time
+
+from helpers import invoke, pin_frontier, rows
 from sqlalchemy import Engine, text
 
 import pgq
 from pgq import monitor
+from pgq.consumer.numbers import GroupNumbers
 from pgq.records import Outcome
+from pgq.settings import settings_from_kwargs
 from pgq.sql import status as status_sql
 from pgq.store import GroupStore, group_info, run_once
+from pgq.store.connections import RoleConnection
+from pgq.store.engine import schema_of
 from pgq.store.members import forget_departed
 
 
@@ -123,29 +130,57 @@ def test_attack_ackdel_show_of_a_finished_message_the_group_got_from_earliest(
 def test_attack_ackdel_a_members_numbers_read_keeps_a_member_forgotten_meanwhile(
     orders: Engine, monkeypatch
 ) -> None:
-    """The read of a running member's metrics (`monitor.group_numbers` on its own
-    connection, READ COMMITTED) while another member's maintenance forgets a
-    departed member: `done` (the counter `pgq_group_done`) must not drop from 30."""
+    """The read of a running member's metrics (`GroupNumbers.refresher` on its own
+    connection) while another member's maintenance forgets a departed member, and
+    while the frontier prunes the done row a batch kept (from the row counts into
+    `done_pruned`): `done` (the counter `pgq_group_done`) must stay 30, neither
+    counted twice nor lost between the read's statements (it reads in one snapshot)."""
     engine = orders
+    pin_frontier(engine, "orders")  # so the rows the batches kept stay done, unpruned
     pgq.publish_many(engine, "orders", [{"n": i} for i in range(30)])
     summary = pgq.Consumer(engine, "billing", lambda m: None, workers=2).run(until_empty=True)
     assert summary.done == 30
     gid = group_info(engine, "billing").id
+    kept = [mid for mid, r in rows(engine, "billing").items() if r.state == "done"]
+    assert kept  # the batches' last rows, not pruned yet
     real = status_sql.group_counts
 
-    def forget_meanwhile():  # between the read of `done_pruned` and the rest
+    done_once: list[bool] = []
+
+    def meanwhile():  # between the read of `done_pruned` and of the counts
+        if done_once:
+            return real()
+        done_once.append(True)
         with engine.begin() as other:
             assert len(forget_departed(other, gid, 0.0)) == 1
+            other.execute(
+                text(
+                    f'DELETE FROM "{schema_of(engine)}".delivery'
+                    " WHERE group_id = :gid AND state = 'done'"
+                ),
+                {"gid": gid},
+            )  # what the frontier's prune does: the kept rows go into done_pruned
+            other.execute(
+                text(
+                    f'UPDATE "{schema_of(engine)}".group_state'
+                    " SET done_pruned = done_pruned + :n WHERE group_id = :gid"
+                ),
+                {"gid": gid, "n": len(kept)},
+            )
         return real()
 
-    with engine.connect() as conn, conn.begin():
-        before = monitor.group_numbers(conn, "billing", member_ttl=10.0, max_refunds=3)[0]
-    assert before.counts.done == 30
-    monkeypatch.setattr(status_sql, "group_counts", forget_meanwhile)
-    with engine.connect() as conn, conn.begin():
-        after = monitor.group_numbers(conn, "billing", member_ttl=10.0, max_refunds=3)[0]
-
-    assert after.counts.done == 30
+    numbers = GroupNumbers()
+    settings = settings_from_kwargs()
+    role = RoleConnection(engine, "numbers", threading.Event())
+    try:
+        monkeypatch.setattr(status_sql, "group_counts", meanwhile)
+        numbers.refresher(role, "billing", settings, time.monotonic)()
+    finally:
+        role.close()
+    latest = numbers.latest()
+    assert latest is not None
+    assert latest.status.counts.done == 30
+    assert pgq.status(engine, "billing")["counts"]["done"] == 30
 
 
 def test_attack_ackdel_show_text_of_a_row_its_ack_deleted_ahead_of_the_frontier(
