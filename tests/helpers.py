@@ -186,8 +186,9 @@ def pin_frontier(engine: Engine, topic: str) -> int:
     """Publish a message nobody may claim for an hour; return its id.
 
     The committed frontier stops before it, so the `done` rows of messages
-    published after it are not pruned and a test can read their attempts and
-    reclaims. It stays `ready` (waiting), so subtract it from the ready counts.
+    published after it are not pruned: the one row each ack batch keeps (its last)
+    stays readable; the others the ack deletes at once (`state_of`). It stays
+    `ready` (waiting), so subtract it from the ready counts.
     """
     return pgq.publish(engine, topic, {"pin": True}, delay=3600)
 

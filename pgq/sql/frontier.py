@@ -197,11 +197,12 @@ def delete_expired_messages() -> Executable:
     """Delete up to `:limit` messages of `:topic_id` older than `:retention` that no
     group of the topic still has a delivery row for; returns their ids.
 
-    A group's row goes only when it is done and behind the group's frontier (the
-    frontier's pruning deletes it and counts it in `done_pruned`), so a message
-    without rows is one every group finished, or one that a group subscribed
-    later with `start="latest"` never had. Any other row (ready, leased, dead,
-    or done ahead of its frontier) keeps its message. Runs after
+    A group's row goes only when it is finished: its ack deletes it, or (the one
+    row an ack keeps per batch) the frontier's pruning once it is behind; both
+    count it in `done_pruned`. So a message without rows is one every group
+    finished, or one that a group subscribed later with `start="latest"` never
+    had. Any other row (ready, leased, dead, or done ahead of its frontier) keeps
+    its message. Runs after
     `lock_topic_for_retention` in the same transaction.
 
     Shape, for a cost that follows the expired messages rather than the tables:
