@@ -315,6 +315,17 @@ def read_ids(out: Path, kind: str, tag: str = "*") -> list[int]:
     return ids
 
 
+def read_attempts(out: Path, kind: str, tag: str = "*") -> dict[int, list[int]]:
+    """Message id -> the `attempt` of each handler call recorded under `kind` (of process
+    `tag`, default all): what a finished message's attempts were, now that its row is gone."""
+    seen: dict[int, list[int]] = {}
+    for path in sorted(out.glob(f"{kind}-{tag}")):
+        for line in path.read_text().splitlines():
+            mid, _, attempt = line.split()
+            seen.setdefault(int(mid), []).append(int(attempt))
+    return seen
+
+
 def expire_all(engine: Engine, topic: str = "orders") -> int:
     """Retention (retention 0) of `topic` as a member runs it, until nothing is left."""
     with engine.connect() as conn:

@@ -21,6 +21,7 @@ from helpers import (
     consumer_env,
     finish,
     pin_frontier,
+    read_attempts,
     read_ids,
     rows,
     spawn_pgq,
@@ -138,8 +139,9 @@ def test_rows_of_a_killed_consumer_are_reclaimed_by_another(orders, pgq_env, tmp
     # `--until-empty` leaves rows of live members alone: start b once a is silent
     wait_until(lambda: not is_live(orders, "a"), 5, "a to stop counting as live")
 
+    # acks of one: each batch keeps its row done, so every message's reclaims stay readable
     b = spawn_pgq(
-        env_for(pgq_env, tmp_path, TESTQ_TAG="b", **lease),
+        env_for(pgq_env, tmp_path, TESTQ_TAG="b", PGQ_BATCH_SIZE="1", **lease),
         *("consume", "billing", "--handler", "handlers:record", "--name", "b", "--until-empty"),
     )
     procs.append(b)
@@ -147,6 +149,7 @@ def test_rows_of_a_killed_consumer_are_reclaimed_by_another(orders, pgq_env, tmp
     assert code == 0, stderr
 
     assert sorted(read_ids(tmp_path, "handled")) == ids  # all by b: a never finished one
+    assert read_attempts(tmp_path, "handled") == {mid: [1] for mid in ids}  # a's kill charged none
     found = rows(orders, "billing")
     assert all(found[mid].state == "done" for mid in ids)
     assert all(found[mid].attempts == 1 for mid in ids)
@@ -154,6 +157,7 @@ def test_rows_of_a_killed_consumer_are_reclaimed_by_another(orders, pgq_env, tmp
     assert all(found[mid].reclaims == 0 for mid in ids if mid not in lost)
     status = pgq.status(orders, "billing")
     assert status["totals"]["reclaimed"] == len(lost)
+    assert status["counts"]["done"] == len(ids)
     assert summary_of(stderr)["reclaimed"] == str(len(lost))
     assert found[pin].state == "ready"
 
@@ -214,14 +218,15 @@ def test_a_paused_member_cannot_write_or_extend_rows_it_lost(orders, pgq_env, tm
     os.kill(a.pid, signal.SIGSTOP)
     wait_until(lambda: not is_live(orders, "a"), 5, "a to stop counting as live")
 
+    # acks of one: each batch keeps its row done, so a's late writes meet rows, not gaps
     b = spawn_pgq(
-        env_for(pgq_env, tmp_path, TESTQ_TAG="b"),
+        env_for(pgq_env, tmp_path, TESTQ_TAG="b", PGQ_BATCH_SIZE="1"),
         *("consume", "billing", "--handler", "handlers:record", "--name", "b", "--until-empty"),
     )
     procs.append(b)
     code, _, stderr = finish(b, 30)
     assert code == 0, stderr
-    assert sorted(read_ids(tmp_path, "handled", "b")) == ids
+    assert read_attempts(tmp_path, "handled", "b") == {mid: [1] for mid in ids}
     assert summary_of(stderr)["reclaimed"] == "4"
 
     def reclaimer_state() -> None:
@@ -230,6 +235,8 @@ def test_a_paused_member_cannot_write_or_extend_rows_it_lost(orders, pgq_env, tm
             r = found[mid]
             assert (r.state, r.attempts, r.reclaims) == ("done", 1, 1), r
             assert (r.lease_owner, r.lease_expires_at) == (None, None), r
+        # a's refused acks counted nothing (the done count adds the rows acks deleted)
+        assert pgq.status(orders, "billing")["counts"]["done"] == len(ids)
 
     reclaimer_state()
     os.kill(a.pid, signal.SIGCONT)
