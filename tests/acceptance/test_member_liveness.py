@@ -32,8 +32,8 @@ ENV = {"PGQ_LEASE": "2.0", "PGQ_BREAKER_HEARTBEAT": "0.2", "PGQ_POLL_INTERVAL": 
 """Short leases and heartbeats; `member_ttl` stays at its default, 10 s."""
 
 
-def member(pgq_env, tmp_path, tag: str, *args: str) -> subprocess.Popen[str]:
-    env = consumer_env(pgq_env, tmp_path, TESTQ_TAG=tag, **ENV)
+def member(pgq_env, tmp_path, tag: str, *args: str, **env: str) -> subprocess.Popen[str]:
+    env = consumer_env(pgq_env, tmp_path, TESTQ_TAG=tag, **{**ENV, **env})
     return spawn_pgq(env, "consume", "billing", *args)
 
 
@@ -72,7 +72,10 @@ def test_until_empty_right_after_a_kill_finishes_the_victims_rows(orders, pgq_en
     held = {mid for mid, r in rows(orders, "billing").items() if r.state == "leased"}
     assert len(held) >= 4  # what a held when it died: its leases must end first
 
-    b = member(pgq_env, tmp_path, "b", "--handler", "handlers:record", "--until-empty")
+    # acks of one: each batch keeps its row done, so every message's reclaims stay readable
+    b = member(
+        pgq_env, tmp_path, "b", "--handler", "handlers:record", "--until-empty", PGQ_BATCH_SIZE="1"
+    )
     procs.append(b)
     code, _, stderr = finish(b, 30)
     assert code == 0, stderr
@@ -224,7 +227,10 @@ def test_until_empty_sees_a_member_killed_between_its_reads_as_gone(
 
     monkeypatch.setattr(membership, "lock_holders", holders_then_kill)
     handled: list[int] = []
-    consumer = pgq.Consumer(orders, "billing", lambda m: handled.append(m.id), **FAST)
+    # acks of one: each batch keeps its row done, so every message's reclaims stay readable
+    consumer = pgq.Consumer(
+        orders, "billing", lambda m: handled.append(m.id), **{**FAST, "batch_size": 1}
+    )
     summary = consumer.run(until_empty=True, max_runtime=60)
     assert killed, "the drain never read the holders"
     assert summary.stop_reason == "empty", summary
@@ -241,7 +247,7 @@ def test_until_empty_sees_leases_of_a_killed_process_whose_name_a_restart_took(
     leases. Before: a cron run counted them as the live `svc`'s and ended `empty`
     with them still leased by the dead process (found by attack)."""
     pin_frontier(orders, "orders")
-    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(2)])
+    pgq.publish_many(orders, "orders", [{"n": i} for i in range(2)])
     long_lease = consumer_env(pgq_env, tmp_path, TESTQ_TAG="a", **{**ENV, "PGQ_LEASE": "12"})
     first = spawn_pgq(
         long_lease, "consume", "billing", "--handler", "handlers:gated", "--name", "svc"
@@ -269,9 +275,9 @@ def test_until_empty_sees_leases_of_a_killed_process_whose_name_a_restart_took(
     assert code == 0, stderr
     assert summary_of(stderr)["stop_reason"] == "empty"
     found = rows(orders, "billing")
-    stranded = [
+    stranded = [  # a finished message has no row (the ack deletes it)
         mid
-        for mid in ids
-        if found[mid].state == "leased" and found[mid].updated_at < started  # the dead one's
+        for mid, r in found.items()
+        if r.state == "leased" and r.updated_at < started  # the dead one's
     ]
-    assert not stranded, {mid: found[mid] for mid in ids}
+    assert not stranded, found
