@@ -60,8 +60,10 @@ def test_a_row_locked_by_an_outside_transaction_does_not_stop_the_other_leases(
         running = pgq.publish_many(engine, "orders", [{"long": n} for n in range(2)])
         wait_until(lambda: started >= set(running), 20, "the long handlers to start")
         stuck_go.set()  # its outcome is written now: the write waits on our lock
+        # the ack's statement opens with its `last` CTE (pg_stat_activity cuts the text
+        # at 1 kB, before the `state` it sets)
         wait_until(
-            lambda: waiting_on(engine, blocker_pid, "%state%"),
+            lambda: waiting_on(engine, blocker_pid, "WITH last AS%"),
             20,
             "the acker's outcome write to wait on the test's row lock",
         )
