@@ -21,17 +21,22 @@ real rows are checked against the model and against the invariants of DESIGN
 
 - the frontier never moves back and never passes an unresolved row (ready,
   leased, or published by a transaction still open) in (xid, id) order, and it
-  goes as far as the xmin read before the advance allows; no done row stays
-  behind it;
+  goes as far as the xmin read before the advance allows, landing only on a row
+  that exists (a done row an ack kept, or a dead row); no done row stays behind
+  it;
+- an ack deletes the rows it finishes but the batch's last in (xid, id) order,
+  which it marks done (schema version 6): per `record` of a group and member,
+  the current leases acked;
 - a fenced-off outcome (stale lease, other member) never applies: the row is
   byte-for-byte unchanged;
 - no outcome applies twice: `attempts` equals the finished attempts the model
   applied, `reclaims` the sweeps;
 - every message has a row in every group of its topic that subscribed before
   its transaction committed, or subscribed `earliest` after it, and none in a
-  later `latest` group; the only rows missing are the ones the frontier pruned
-  (done, behind it), and no row exists without its message;
-- `pgq.status` agrees (committed, counts, totals).
+  later `latest` group; the only rows missing are the ones an ack deleted or the
+  frontier pruned (done, behind it), and no row exists without its message;
+- `pgq.status` agrees (committed, counts, totals; done counts the rows acks
+  deleted, the kept done rows and the pruned ones).
 
 Bounded for CI by default; `STATEFUL_EXAMPLES` and `STATEFUL_STEPS` scale a
 longer run (and then the per-test timeout is lifted), e.g.
@@ -172,6 +177,8 @@ class Group:
     stores: dict[str, GroupStore]
     frontier: Pos = (0, 0)
     pruned: int = 0
+    acked: int = 0
+    """Rows its acks deleted (all of a batch's but the last)."""
     reclaimed: int = 0
     released: int = 0
 
@@ -340,6 +347,7 @@ class DeliveryMachine(RuleBasedStateMachine):
         self.messages: dict[int, Msg] = {}
         self.rows: dict[tuple[int, int], Row] = {}
         self.pruned: set[tuple[int, int]] = set()
+        self.acked: set[tuple[int, int]] = set()
         self.txs: list[OpenTx] = []
         self.waiting: list[WaitingSubscribe] = []
         self.counter = itertools.count()
@@ -438,7 +446,9 @@ class DeliveryMachine(RuleBasedStateMachine):
         )
 
     def _reach(self, grp: Group, xmin: int) -> Pos:
-        """How far the frontier of `grp` may go when the advance's xmin is `xmin`."""
+        """How far the frontier of `grp` may go when the advance's xmin is `xmin`: the
+        last row there is (an ack deletes all of its batch but the last) before the
+        first unresolved one."""
         reach = grp.frontier
         ahead = sorted(
             ((row.xid, mid), row)
@@ -458,6 +468,11 @@ class DeliveryMachine(RuleBasedStateMachine):
         stores = {
             member: GroupStore(gid, name, topic, member, LEASE, MAX_RECLAIMS) for member in MEMBERS
         }
+        with self._tx() as conn:
+            # the members join, as a consumer does before it claims: an ack counts the
+            # rows it deletes on its member's row
+            for store in stores.values():
+                assert store.join(conn, LEASE, takeover=False)
         self.groups[name] = Group(name, gid, topic, start, self._tick(), stores)
         backfilled = [msg for msg in self.messages.values() if msg.topic == topic]
         if start == "earliest" and backfilled:
@@ -684,6 +699,15 @@ class DeliveryMachine(RuleBasedStateMachine):
         specs = data.draw(st.lists(SPECS, min_size=len(current), max_size=len(current)))
         self.record([(h, s, False) for h, s in zip(current, specs, strict=True)], twice)
 
+    @precondition(lambda self: self._current())
+    @rule(data=st.data(), twice=st.booleans())
+    def ack_current(self, data: st.DataObject, twice: bool) -> None:
+        """Ack every lease one member holds now in one group, all successes (a busy
+        acker's batch): the ack deletes all of them but the last in (xid, id) order."""
+        first = data.draw(st.sampled_from(self._current()), label="lease")
+        mine = [h for h in self._current() if (h.group, h.member) == (first.group, first.member)]
+        self.record([(h, Spec("done"), False) for h in mine], twice)
+
     def _current(self) -> list[Held]:
         return [h for h in self.helds if self._held_by(h, h.member)]
 
@@ -705,6 +729,8 @@ class DeliveryMachine(RuleBasedStateMachine):
         # the database applies one of them, which one is not specified)
         allowed: dict[tuple[int, int], list[Row]] = {}
         expected: dict[tuple[str, str], set[Lease]] = {}
+        acks: dict[tuple[str, str], set[tuple[int, int]]] = {}
+        """Per `record` call, the rows its ack finishes (current leases with a done)."""
         touched: set[tuple[int, int]] = set()
         for (name, presenter), items in parts.items():
             gid = self.groups[name].gid
@@ -717,6 +743,8 @@ class DeliveryMachine(RuleBasedStateMachine):
                 dones = [s for s in specs if s.kind == "done"]
                 row = self.rows[key]
                 allowed[key] = [applied_row(row, s) for s in (dones[:1] or specs)]
+                if dones:
+                    acks.setdefault((name, presenter), set()).add(key)
                 expected[name, presenter].add(held.lease)
                 stale = [
                     s
@@ -756,11 +784,35 @@ class DeliveryMachine(RuleBasedStateMachine):
             key = (self.groups[held.group].gid, held.claimed.id)
             if key in allowed and held.lease not in current:
                 note("stale lease refused while a newer lease on the row applied")
+        deleted = self._acked(acks)
+        for key in deleted:
+            assert key not in db, f"row {key} finished by an ack and not its batch's last: kept"
         for key, options in allowed.items():
+            if key in deleted:
+                continue
             matches = [row for row in options if row.view() == db[key][:-1]]
             assert matches, f"row {key} is {db[key]}, expected one of {[r.view() for r in options]}"
             self.rows[key] = matches[0]
             note(f"outcome applied, row now {matches[0].state}")
+        self._check_status(*{name: self.groups[name] for name, _ in acks}.values())
+
+    def _acked(self, acks: dict[tuple[str, str], set[tuple[int, int]]]) -> set[tuple[int, int]]:
+        """The model of the acks of one `record` batch: each ack (a group and presenting
+        member) deletes the rows it finishes but its last in (xid, id) order, which
+        stays done (`applied_row`) for the frontier to land on; the deleted ones count
+        as done in the group. Returns the rows deleted."""
+        deleted: set[tuple[int, int]] = set()
+        for (name, _), keys in acks.items():
+            grp = self.groups[name]
+            order = sorted(keys, key=lambda key: (self.rows[key].xid, key[1]))
+            for key in order[:-1]:
+                del self.rows[key]
+            deleted |= set(order[:-1])
+            grp.acked += len(order) - 1
+            note("rows deleted by an ack", len(order) - 1)
+            note("done rows kept by an ack")
+        self.acked |= deleted
+        return deleted
 
     @precondition(lambda self: self.helds)
     @rule(batch=st.lists(st.tuples(leases, OTHER_MEMBER), min_size=1, max_size=3))
@@ -1015,13 +1067,14 @@ class DeliveryMachine(RuleBasedStateMachine):
 
     def _check_coverage(self) -> None:
         """A row in every group subscribed before the message committed, or `earliest`
-        after it; none in a `latest` group that came later. Only pruned rows are gone."""
+        after it; none in a `latest` group that came later. Only rows an ack deleted
+        and pruned rows are gone."""
         for msg in self.messages.values():
             for grp in self.groups.values():
                 if grp.topic != msg.topic:
                     continue
                 key = (grp.gid, msg.id)
-                present = key in self.rows or key in self.pruned
+                present = key in self.rows or key in self.pruned or key in self.acked
                 due = grp.subscribed_at < msg.committed_at or grp.start == "earliest"
                 assert present == due, (
                     f"message {msg.id} (committed at step {msg.committed_at}) in group"
@@ -1057,7 +1110,7 @@ class DeliveryMachine(RuleBasedStateMachine):
             assert status["counts"] == {
                 "ready": states["ready"],
                 "leased": states["leased"],
-                "done": states["done"] + grp.pruned,
+                "done": states["done"] + grp.pruned + grp.acked,
                 "dead": states["dead"],
                 "dead_systemic": systemic,
             }
