@@ -67,7 +67,7 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
-from sqlalchemy import Connection, Engine, func, select, text, update
+from sqlalchemy import Connection, Engine, Text, cast, func, select, text, update
 
 import pgq
 from pgq import schema as t
@@ -131,6 +131,7 @@ class Row:
     poison: str | None = None
     """The handler fails this message for itself alone, with this error class."""
     state: str = "ready"
+    """`deleted`: an ack finished it and deleted the row (all of a batch but its last)."""
     attempts: int = 0
     reclaims: int = 0
     ra: int = 0
@@ -876,10 +877,29 @@ class BreakerMachine(RuleBasedStateMachine):
         self._write(self.procs[first.member], batch, outs)
 
     def _write(self, proc: Proc, batch: list[Held], outs: list[Outcome]) -> None:
-        """The acker's batch: outcomes of `proc`'s leases `batch`, in one transaction."""
+        """The acker's batch: outcomes of `proc`'s leases `batch`, in one transaction.
+        Its ack deletes the rows it finishes but the last in (xid, id) order, which
+        stays done."""
         with self._tx() as conn:
+            positions = {
+                mid: (int(xid), mid)
+                for mid, xid in conn.execute(
+                    select(d.c.message_id, cast(d.c.xid, Text)).where(
+                        d.c.group_id == self.gid,
+                        d.c.message_id.in_([h.claimed.id for h in batch]),
+                    )
+                )
+            }
             applied = proc.store.record(conn, outs)
         current = [self._current(held) for held in batch]
+        finished = sorted(
+            {
+                held.claimed.id
+                for held, out, cur in zip(batch, outs, current, strict=True)
+                if cur and out.kind == "done"
+            },
+            key=lambda mid: positions[mid],
+        )
         assert applied == {h.lease for h, cur in zip(batch, current, strict=True) if cur}
         for held, out, cur in zip(batch, outs, current, strict=True):
             self.helds.remove(held)
@@ -890,6 +910,9 @@ class BreakerMachine(RuleBasedStateMachine):
                 note("late outcome refused")
             if held.claimed.probe:
                 self._observe_local_probe(proc, out)
+        for mid in finished[:-1]:
+            self.rows[mid].state = "deleted"
+        note("rows deleted by an ack", len(finished[:-1]))
 
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
@@ -1016,7 +1039,8 @@ class BreakerMachine(RuleBasedStateMachine):
                     select(d.c.message_id, d.c.refunds).where(d.c.group_id == self.gid)
                 ).all()
             )
-        changed = {mid for mid, r in self.rows.items() if refunds[mid] != r.refunds}
+        kept = {mid: r for mid, r in self.rows.items() if r.state != "deleted"}
+        changed = {mid for mid, r in kept.items() if refunds[mid] != r.refunds}
         assert changed <= owed, f"refunded rows not owed a refund: {sorted(changed - owed)}"
         assert n == len(changed) == min(RECONCILE_LIMIT, len(owed)), (
             f"batch refunded {n} ({sorted(changed)}), owed {sorted(owed)}"
@@ -1295,7 +1319,7 @@ class BreakerMachine(RuleBasedStateMachine):
         """After every step: rows, breaker, history, totals and members as modelled."""
         SEEN["checks"] += 1
         db = self._db_rows()
-        model = {mid: row.view() for mid, row in self.rows.items()}
+        model = {mid: row.view() for mid, row in self.rows.items() if row.state != "deleted"}
         assert db.keys() == model.keys()
         wrong = {mid: (db[mid], model[mid]) for mid in db if db[mid] != model[mid]}
         assert not wrong, f"rows (database, model): {wrong}"
