@@ -118,7 +118,7 @@ class Claims(GroupScope):
                         r[_ATTEMPTS] + 1,
                         r[_CREATED],
                     ),
-                    r[_SEQ],
+                    Lease(r[_ID], r[_SEQ]),
                     r[_ATTEMPTS],
                     epoch,
                     probe,
@@ -142,7 +142,7 @@ class Claims(GroupScope):
         message = Message(
             r[_ID], self.topic, self.group, r[_KEY], payload, headers, r[_ATTEMPTS] + 1, r[_CREATED]
         )
-        return Claimed(message, r[_SEQ], r[_ATTEMPTS], epoch, probe, unreadable)
+        return Claimed(message, Lease(r[_ID], r[_SEQ]), r[_ATTEMPTS], epoch, probe, unreadable)
 
     def extend(self, conn: Connection, leases: list[Lease]) -> set[Lease]:
         """Extend the given leases; returns those still held."""

@@ -325,7 +325,7 @@ def test_leases_taken_with_the_global_token_are_acked_after_the_upgrade(
 
     def held(mid: int, seq: int) -> Claimed:
         now = dt.datetime.now(dt.timezone.utc)
-        return Claimed(Message(mid, "t", "g", None, {}, None, 1, now), seq, 0)
+        return Claimed(Message(mid, "t", "g", None, {}, None, 1, now), Lease(mid, seq), 0)
 
     assert run_once(engine, store.record, [Outcome(held(a, 41), "done")]) == {Lease(a, 41)}
     assert run_once(engine, store.release, [Lease(b, 42)]) == {Lease(b, 42)}

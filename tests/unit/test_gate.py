@@ -8,7 +8,7 @@ import logging
 from helpers import FakeClock
 
 from pgq.consumer.gate import RAMP_SECONDS, Gate
-from pgq.records import Claimed, Message, Outcome
+from pgq.records import Claimed, Lease, Message, Outcome
 from pgq.settings import Settings
 
 
@@ -23,7 +23,7 @@ def make_gate(**settings: object) -> tuple[Gate, FakeClock, list[int]]:
 
 def row(mid: int = 1, epoch: int = 0, probe: bool = False) -> Claimed:
     msg = Message(mid, "t", "g", None, {}, None, 1, dt.datetime.now(dt.timezone.utc))
-    return Claimed(msg, seq=1, attempts=0, epoch=epoch, probe=probe)
+    return Claimed(msg, Lease(mid, 1), attempts=0, epoch=epoch, probe=probe)
 
 
 def systemic(r: Claimed) -> Outcome:

@@ -23,7 +23,7 @@ from pgq.consumer.member import Member
 from pgq.consumer.pool import ClaimPool
 from pgq.consumer.workers import Workers
 from pgq.errors import DatabaseUnavailable, LockNotAvailable, TransactionConflict
-from pgq.records import Claimed, Message
+from pgq.records import Claimed, Lease, Message
 from pgq.settings import Settings
 from pgq.store import GroupStore, Link, MemberLinks
 
@@ -56,7 +56,7 @@ def member(handler=lambda m: None, **settings: object) -> Member:
 
 def row(mid: int = 1) -> Claimed:
     msg = Message(mid, "t", "g", None, {}, None, 1, dt.datetime.now(dt.timezone.utc))
-    return Claimed(msg, seq=mid, attempts=0)
+    return Claimed(msg, Lease(mid, mid), attempts=0)
 
 
 # -- the scheduler ------------------------------------------------------------------
