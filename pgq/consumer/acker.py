@@ -26,6 +26,9 @@ LINGER = 0.002
 """Seconds the acker waits for more outcomes after the first of a batch: one write
 (and one thread wake-up) per batch instead of one per fast handler."""
 
+DONE = OutcomeKind.DONE
+"""Read once: an enum member read through its class costs 0.1 us, once per outcome here."""
+
 IDLE_WAIT = 1.0
 """Seconds an idle acker sleeps between checks (`stop()` wakes it at once)."""
 
@@ -108,10 +111,10 @@ class Acker(Role):
     def _write(self, conn: RoleConnection, outcomes: list[Outcome]) -> set[Lease]:
         """Write a batch: its successes, then its failures, each one statement that
         commits by itself (so a retry after an outage never rewrites what committed)."""
-        done = [o for o in outcomes if o.kind == OutcomeKind.DONE]
+        done = [o for o in outcomes if o.kind == DONE]
         if len(done) in (0, len(outcomes)):
             return self._write_part(conn, outcomes)
-        failed = [o for o in outcomes if o.kind != OutcomeKind.DONE]
+        failed = [o for o in outcomes if o.kind != DONE]
         return self._write_part(conn, done) | self._write_part(conn, failed)
 
     def _write_part(self, conn: RoleConnection, outcomes: list[Outcome]) -> set[Lease]:

@@ -24,6 +24,9 @@ from pgq.settings import Settings
 
 logger = get_logger("pgq.consumer")
 
+DONE = OutcomeKind.DONE
+"""Read once: an enum member read through its class costs 0.1 us, once per message here."""
+
 MAX_SNOOZE = 30 * 86400.0
 """The longest `RetryLater` delay: 30 days."""
 
@@ -89,7 +92,7 @@ class Handling:
             outcome = self.failure(row, exc)
             logger.debug("handler failed id=%d outcome=%s", row.id, outcome.kind)
             return outcome
-        return Outcome(row, OutcomeKind.DONE)
+        return Outcome(row, DONE)
 
     def failure(self, row: Claimed, exc: BaseException) -> Outcome:
         """The outcome of an attempt on `row` that raised `exc`: snooze, retry or dead.

@@ -19,6 +19,9 @@ from pgq.store.privileges import require_consumer_privileges
 
 logger = get_logger("pgq.consumer")
 
+# read once per message: an enum member read through its class costs 0.1 us
+DONE, DEAD, SNOOZE = OutcomeKind.DONE, OutcomeKind.DEAD, OutcomeKind.SNOOZE
+
 REFUSALS = (PermissionDenied, SchemaMissing, BadDsn)
 """Errors no retry fixes: a missing privilege, the schema gone, the login refused.
 A thread that meets one stops the member, and `run()` raises it."""
@@ -228,13 +231,14 @@ class Member:
         with self.lock:
             if pending:
                 self.outcomes_pending += 1
-            if outcome.kind == OutcomeKind.SNOOZE:
+            kind = outcome.kind
+            if kind == SNOOZE:
                 self.tally.retried += 1
                 return
             self.tally.handled += 1
-            if outcome.kind == OutcomeKind.DONE:
+            if kind == DONE:
                 self.tally.done += 1
-            elif outcome.kind == OutcomeKind.DEAD:
+            elif kind == DEAD:
                 self.tally.dead += 1
             else:
                 self.tally.retried += 1
