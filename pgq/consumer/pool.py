@@ -32,10 +32,15 @@ class ClaimPool(Generic[T]):
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._items: collections.deque[tuple[float, T]] = collections.deque()
-        lock = threading.Lock()
+        self._lock = lock = threading.Lock()
+        """The lock of both conditions: taken directly where no condition is waited on
+        (a condition's `with` is two more Python calls, once per row in `take`)."""
         self._filled = threading.Condition(lock)
         self._emptied = threading.Condition(lock)
         self._closed = False
+        self._sleeping = 0
+        """Workers waiting in `take`: with none, nobody is notified (a notify is a
+        Python call even when nobody waits)."""
         self._want = 1
         """Free slots the fetcher waits for: takes wake it only when they are there."""
 
@@ -56,14 +61,18 @@ class ClaimPool(Generic[T]):
 
     def take(self, timeout: float) -> T | None:
         """The oldest row, waiting up to `timeout`; None when empty or closed."""
-        with self._filled:
-            if not self._items and not self._closed:
-                self._filled.wait(timeout)
-            if not self._items or self._closed:
+        items = self._items
+        with self._lock:
+            if not items and not self._closed:
+                self._sleeping += 1
+                try:
+                    self._filled.wait(timeout)
+                finally:
+                    self._sleeping -= 1
+            if not items or self._closed:
                 return None
-            item = self._items.popleft()[1]
-            items = self._items
-            if items and time.monotonic() - items[0][0] >= HANDOFF_LAG:
+            item = items.popleft()[1]
+            if self._sleeping and items and time.monotonic() - items[0][0] >= HANDOFF_LAG:
                 self._filled.notify()
             if self.capacity - len(items) == self._want:
                 self._emptied.notify()

@@ -73,14 +73,13 @@ class Worker(Role):
         with self._lock:
             self.current = attempt
         outcome = self.member.handling.run(row)
-        took = self.clock() - attempt.started
         with self._lock:
             self.current = None
             if attempt.abandoned:  # the watchdog timed it (once): the attempt it finished
                 logger.warning("late outcome discarded id=%d (handler timed out)", row.id)
                 return
         if self.handler_time is not None:
-            self.handler_time.observe(took)
+            self.handler_time.observe(self.clock() - attempt.started)
         report(self.member, self.gate, self.acker, outcome)
 
     def abandon_if_overdue(self, now: float, timeout: float) -> tuple[Outcome, float] | None:
