@@ -127,3 +127,19 @@ def test_no_room_at_the_acker_holds_the_claim_back() -> None:
 def test_a_full_pool_is_not_held_back_by_the_acker() -> None:
     """Nothing to claim anyway: the fetcher waits for space, not for the acker."""
     assert limit(free=0, room=0) == (0, False)
+
+
+@pytest.mark.parametrize(
+    ("given", "claimed"),
+    [({"free": 77}, 64), ({"free": 99}, 96), ({"ramped": 80}, 80), ({"room": 95}, 80)],
+)
+def test_a_claim_short_of_a_batch_takes_a_multiple_of_16_rows(given, claimed) -> None:
+    """Failed before: every size from 64 to 99 was a claim statement of its own (a
+    run of the adaptive prefetch compiled a dozen of them, ~4 ms of CPU each)."""
+    assert limit(**given) == (claimed, False)
+
+
+def test_a_full_batch_and_small_claims_are_not_rounded_here() -> None:
+    assert limit(batch_size=100) == (100, False)
+    assert limit(batch_size=77) == (77, False)
+    assert limit(free=63) == (63, False)  # the store rounds it to a power of two
