@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from pgq.consumer.acker import Acker
 from pgq.consumer.gate import Gate
@@ -30,15 +29,6 @@ IDLE_WAIT = 5.0
 """Seconds an idle worker sleeps between checks (few wake-ups when idle)."""
 
 
-@dataclass(slots=True, eq=False)
-class Attempt:
-    """One handler run in progress."""
-
-    row: Claimed
-    started: float
-    abandoned: bool = False
-
-
 class Worker(Role):
     """Takes rows from the pool and runs the handler on each."""
 
@@ -49,7 +39,10 @@ class Worker(Role):
         self.clock = clock
         self.retired = threading.Event()
         self._lock = threading.Lock()
-        self.current: Attempt | None = None
+        self.current: tuple[Claimed, float] | None = None
+        """The row whose handler runs now and when it started (a tuple: one per
+        message). Only the watchdog clears it while the handler runs: when it
+        abandons the attempt."""
         self.handler_time = member.histogram(HANDLER)
         """This worker's handler durations, while metrics are served (else None)."""
 
@@ -69,32 +62,32 @@ class Worker(Role):
 
     def execute(self, row: Claimed) -> None:
         """Run the handler on one row and report its outcome (unless abandoned)."""
-        attempt = Attempt(row, self.clock())
+        started = self.clock()
         with self._lock:
-            self.current = attempt
+            self.current = (row, started)
         outcome = self.member.handling.run(row)
         with self._lock:
-            self.current = None
-            if attempt.abandoned:  # the watchdog timed it (once): the attempt it finished
-                logger.warning("late outcome discarded id=%d (handler timed out)", row.id)
-                return
+            abandoned, self.current = self.current is None, None
+        if abandoned:  # the watchdog timed it (once): the attempt it finished
+            logger.warning("late outcome discarded id=%d (handler timed out)", row.id)
+            return
         if self.handler_time is not None:
-            self.handler_time.observe(self.clock() - attempt.started)
+            self.handler_time.observe(self.clock() - started)
         report(self.member, self.gate, self.acker, outcome)
 
     def abandon_if_overdue(self, now: float, timeout: float) -> tuple[Outcome, float] | None:
         """If the running handler is past `timeout`, abandon it; return its outcome and
         how long it had run."""
         with self._lock:
-            attempt = self.current
-            if attempt is None or now - attempt.started < timeout:
+            current = self.current
+            if current is None or now - current[1] < timeout:
                 return None
-            attempt.abandoned = True
             self.current = None
+        row, started = current
         self.retired.set()
         exc = TimeoutError(f"handler ran longer than handler_timeout ({timeout:g}s)")
-        logger.warning("handler timed out id=%d thread=%s", attempt.row.id, self.name)
-        return self.member.handling.failure(attempt.row, exc), now - attempt.started
+        logger.warning("handler timed out id=%d thread=%s", row.id, self.name)
+        return self.member.handling.failure(row, exc), now - started
 
 
 def report(member: Member, gate: Gate, acker: Acker, outcome: Outcome) -> None:
