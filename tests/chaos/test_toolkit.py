@@ -139,10 +139,14 @@ def test_a_member_runs_every_connection_through_the_proxy(
 # -- the history checker ----------------------------------------------------------------------
 
 
-def drain(engine: Engine, group: str, out: Path, member: str = "m1") -> pgq.RunSummary:
+def drain(
+    engine: Engine, group: str, out: Path, member: str = "m1", **settings: object
+) -> pgq.RunSummary:
     handler = AttemptLog(out, member, sleep=0)
     try:
-        consumer = pgq.Consumer(engine, group, handler, workers=2, name=member, **FAST)
+        consumer = pgq.Consumer(
+            engine, group, handler, workers=2, name=member, **{**FAST, **settings}
+        )
         return consumer.run(until_empty=True, max_runtime=30)
     finally:
         handler.close()
@@ -167,13 +171,13 @@ def drain_and_prune(engine: Engine, group: str, out: Path, member: str = "m1") -
 
 @pytest.fixture
 def drained(engine: Engine, out: Path) -> tuple[Engine, list[int]]:
-    """20 messages of `orders` handled by group `billing`; the frontier pinned so
-    the done rows stay readable."""
+    """20 messages of `orders` handled by group `billing`; the frontier pinned and
+    acks of one (each keeps its row, marked done), so the done rows stay readable."""
     pgq.create_topic(engine, "orders")
     pgq.subscribe(engine, "billing", "orders")
     pin_frontier(engine, "orders")
     ids = pgq.publish_many(engine, "orders", [{"n": i} for i in range(20)])
-    assert drain(engine, "billing", out).done == 20
+    assert drain(engine, "billing", out, batch_size=1).done == 20
     return engine, ids
 
 
