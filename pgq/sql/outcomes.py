@@ -52,7 +52,9 @@ def ack_done() -> Executable:
     The frontier prunes it as it did every done row. The deleted rows are counted
     into the group's `done_pruned` in the same statement: its row lock is held from
     here to the commit, a millisecond per batch, which members' ackers take in turn
-    (the frontier's advance skips the row while one holds it, and tries again).
+    (the frontier's advance skips the row while one holds it, and tries again). An
+    ack that deleted nothing (a batch of one, as at a low rate) leaves the group's
+    row alone: no new version of it, no lock for the next member's ack to wait on.
     """
     position = tuple_(d.c.xid, d.c.message_id)
     last = (
@@ -78,12 +80,11 @@ def ack_done() -> Executable:
     )
     gone = d.delete().where(fenced(), ~is_last).returning(d.c.message_id, d.c.lease_seq).cte("gone")
     gs = t.group_state
+    deleted = select(func.count()).select_from(gone).scalar_subquery()
     counted = (
         update(gs)
-        .where(gs.c.group_id == bindparam("gid"))
-        .values(
-            done_pruned=gs.c.done_pruned + select(func.count()).select_from(gone).scalar_subquery()
-        )
+        .where(gs.c.group_id == bindparam("gid"), deleted > 0)
+        .values(done_pruned=gs.c.done_pruned + deleted)
         .returning(gs.c.group_id)
         .cte("counted")
     )

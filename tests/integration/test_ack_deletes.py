@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import rows, wait_for_frontier
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, text
 
 import pgq
 from pgq import monitor
@@ -116,3 +116,25 @@ def test_a_group_records_where_it_started_and_show_tells_what_it_never_had(order
     assert before not in rows(engine, "backfilled")  # the batch kept `after`
     shown = monitor.message(engine, "backfilled", before)
     assert (shown["state"], shown["behind_frontier"]) == ("done", False)
+
+
+def test_an_ack_that_deletes_nothing_leaves_the_groups_row_alone(orders):
+    """A batch of one (a low rate) keeps its only row for the frontier: the ack
+    writes no new version of `group_state` and takes no lock on it."""
+    engine = orders
+    pgq.publish_many(engine, "orders", [{"n": 1}, {"n": 2}])
+    store = store_of(engine)
+    gid = group_info(engine, "billing").id
+
+    def version() -> str:
+        with engine.connect() as conn:
+            xmin = select(t.group_state.c.group_id.label("g"), text("xmin::text"))
+            return conn.execute(xmin.where(t.group_state.c.group_id == gid)).one()[1]
+
+    before = version()
+    (one,) = run_once(engine, store.claim, 1, 0)
+    assert run_once(engine, store.record, [Outcome(one, "done")]) == {one.lease}
+    assert (version(), done_pruned(engine)) == (before, 0)
+    (two,) = run_once(engine, store.claim, 1, 0)
+    assert run_once(engine, store.record, [Outcome(two, "done")]) == {two.lease}
+    assert pgq.status(engine, "billing")["counts"]["done"] == 2
