@@ -49,16 +49,23 @@ class Acker(Role):
         """Queue an outcome for the next batch."""
         self.outcomes.put(outcome)
 
-    def take_queued(self) -> list[Outcome]:
-        """Remove and return the outcomes not yet taken for a batch (for `abort`)."""
+    def write_queued(self, conn: RoleConnection) -> None:
+        """Write the outcomes not yet taken for a batch on `conn`, from the caller's
+        thread, as this thread would (refusals one by one, lost answers looked up):
+        for `abort`, whose second signal cannot wait for this thread, which may be
+        stuck behind a lock with the batch before. Each statement is tried once (the
+        member is halted)."""
         taken: list[Outcome] = []
         while True:
             try:
                 outcome = self.outcomes.get_nowait()
             except queue.Empty:
-                return taken
+                break
             if outcome is not None:
                 taken.append(outcome)
+        for start in range(0, len(taken), self.member.settings.batch_size):
+            batch = taken[start : start + self.member.settings.batch_size]
+            self._settle(batch, self._write(conn, batch))
 
     def stop(self) -> None:
         """No more outcomes will come: write what is queued, then leave."""
@@ -143,11 +150,12 @@ class Acker(Role):
         during the write, the statement may have committed all the same: after the
         retry, the outcomes it did not apply are looked up, and those the database
         shows settled by their own lease count as applied (not as refused)."""
-        store = self.member.store
+        m = self.member
+        store = m.store
         try:
             return conn.run(store.record, outcomes, single=True)
         except DatabaseUnavailable:
-            if conn.stop.is_set():
+            if m.halt.is_set():
                 raise
         applied = conn.retrying(store.record, outcomes, single=True)
         unseen = [o for o in outcomes if o.claimed.lease not in applied]

@@ -104,23 +104,22 @@ class Runtime:
         self.fetcher.start()
 
     def abort(self) -> None:
-        """Second signal: stop dispatching, release what is buffered or deferred, write
-        the outcomes already queued (one try each, no retries), and make every
-        database retry give up. Returns without waiting for any thread."""
+        """Second signal: stop dispatching, make every database retry give up, write
+        the outcomes already queued (the acker's write, one try each, on this
+        connection: the acker may be stuck behind a lock) and release what is buffered
+        or deferred. Returns without waiting for any thread."""
         m = self.member
         m.request_stop("signal")
         m.pool.shut()
         m.halt.set()
         rows = m.pool.drain() + m.take_deferred()
-        outcomes = self.acker.take_queued()
         try:
+            self.acker.write_queued(self.conn)
             if rows:
                 released = self.conn.run(m.store.release, [row.lease for row in rows])
                 m.count_released(len(released))
-            if outcomes:
-                self.conn.run(m.store.record, outcomes)
         except PgqError as exc:
-            logger.warning("abort could not release or write everything error=%s", exc)
+            logger.warning("abort could not write or release everything error=%s", exc)
         self.session.release()
 
     def shutdown(self, grace: float) -> int:

@@ -301,10 +301,40 @@ def test_rows_a_release_could_not_hand_back_are_released_when_the_database_retur
             through.dispose()
 
 
-def test_a_second_signal_releases_buffered_rows_and_writes_finished_outcomes(orders, schema):
+def _refuse_successes_of_listed_rows(engine: Engine, schema: str) -> None:
+    """A trigger that makes the database refuse the ack of a row listed in `refuse`
+    (as a user's trigger or a constraint might): deleting it or marking it done."""
+    with engine.begin() as conn:
+        conn.execute(text(f'CREATE TABLE "{schema}".refuse (message_id bigint)'))
+        conn.execute(
+            text(
+                f'CREATE FUNCTION "{schema}".refuse() RETURNS trigger LANGUAGE plpgsql AS $$'
+                f' BEGIN IF EXISTS (SELECT FROM "{schema}".refuse r'
+                " WHERE r.message_id = OLD.message_id)"
+                " AND (TG_OP = 'DELETE' OR NEW.state = 'done')"
+                " THEN RAISE EXCEPTION 'refused by the test'; END IF;"
+                " IF TG_OP = 'DELETE' THEN RETURN OLD; END IF; RETURN NEW; END $$"
+            )
+        )
+        conn.execute(
+            text(
+                f'CREATE TRIGGER refuse BEFORE UPDATE OR DELETE ON "{schema}".delivery'
+                f' FOR EACH ROW EXECUTE FUNCTION "{schema}".refuse()'
+            )
+        )
+
+
+@pytest.mark.parametrize("second", ["done", "refused"])
+def test_a_second_signal_releases_buffered_rows_and_writes_finished_outcomes(
+    orders, schema, second
+):
     """Defect 12: `abort()` (the second signal) must not leave finished outcomes
-    unwritten or buffered rows leased: it writes and releases what it can at once."""
+    unwritten or buffered rows leased: it writes and releases what it can at once.
+    It writes them as the acker does: a success the database refuses (here a
+    trigger) is recorded as a failure that says why, and takes no other with it."""
     engine = orders
+    if second == "refused":
+        _refuse_successes_of_listed_rows(engine, schema)
     pin_frontier(engine, "orders")
     pgq.publish_many(engine, "orders", [{"n": i} for i in range(12)])
     blocker = engine.connect()
@@ -327,6 +357,11 @@ def test_a_second_signal_releases_buffered_rows_and_writes_finished_outcomes(ord
                 WAIT,
                 "the first outcome's write to wait on the test's lock",
             )
+            if second == "refused" and len(handled) == 2:
+                with engine.begin() as conn:
+                    conn.execute(
+                        text(f'INSERT INTO "{schema}".refuse VALUES (:id)'), {"id": message.id}
+                    )
         else:
             assert gate.wait(WAIT)
 
@@ -347,8 +382,13 @@ def test_a_second_signal_releases_buffered_rows_and_writes_finished_outcomes(ord
         # what a process exiting right after the second signal leaves behind
         found = rows(engine, "billing")
         assert found[handled[0]].state == "leased"  # its write still waits on our lock
+        written = handled[1:3] if second == "done" else handled[2:3]
         done = [mid for mid in handled[1:3] if state_of(found, mid) == "done"]
-        assert done == handled[1:3], {m: state_of(found, m) for m in handled}
+        assert done == written, {m: state_of(found, m) for m in handled}
+        if second == "refused":
+            refused = found[handled[1]]
+            assert (refused.state, refused.error_class) == ("ready", "message")
+            assert "pgq could not record the outcome" in refused.last_error
         assert all(found[mid].state == "ready" for mid in buffered)
     finally:
         gate.set()
