@@ -41,8 +41,12 @@ Modes (several may be given; `--compare` is the same as the mode `compare`):
              long-running consumer; delivery/message sizes after each chunk
   profile    one consume run under py-spy; CPU per message by thread role
              (claim, dispatch, handler, outcome write) and the top frames
+  targets    every target of issue 20 in one run, in one table with a verdict
+             each: compare (floor, pgqueuer-b100, pgqueuer), latency, slow
+             handlers, backlog, table size, and scripts/bench_server_cpu.py
 
 Examples (`python -m scripts.bench ...` from the checkout works too):
+  .venv/bin/python scripts/bench targets --reps 5 --md docs/benchmarks.md
   .venv/bin/python scripts/bench --compare --n 20000 --reps 3 --workers 8,64
   .venv/bin/python scripts/bench publish consume latency sustained --md out.md
   .venv/bin/python scripts/bench consume --n 50000 --procs 1,4 --workers 8

@@ -20,6 +20,10 @@ from scripts.bench.common import log
 from scripts.bench.harness import Server
 from scripts.bench.modes import DEFAULT_N, MODES, all_ok
 from scripts.bench.render import footer, write_md
+from scripts.bench.targets import mode_targets
+
+RUNS = {**MODES, "targets": mode_targets}
+"""Every mode by name: `targets` runs several of the others (`scripts/bench/targets.py`)."""
 
 
 def ints(text: str) -> list[int]:
@@ -73,11 +77,11 @@ def parent_main(args: argparse.Namespace) -> int:
     if not modes:
         sys.exit(
             "nothing to do: give a mode (compare, publish, consume, latency, sustained, backlog, "
-            "tablesize, profile) or --compare; see --help"
+            "tablesize, profile, targets) or --compare; see --help"
         )
     for m in modes:
-        if m not in MODES:
-            sys.exit(f"unknown mode {m!r}; known: {', '.join(MODES)}")
+        if m not in RUNS:
+            sys.exit(f"unknown mode {m!r}; known: {', '.join(RUNS)}")
     n_given = args.n is not None
     args.n = ints(args.n) if n_given else [20_000]
     args.workers = ints(args.workers)
@@ -98,7 +102,7 @@ def parent_main(args: argparse.Namespace) -> int:
             if not n_given and m in DEFAULT_N:
                 args.n = DEFAULT_N[m]
             log(f"== {m}")
-            sections += [*MODES[m](srv, args, report), ""]
+            sections += [*RUNS[m](srv, args, report), ""]
             args.n = saved
     finally:
         srv.close()
@@ -121,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "modes",
         nargs="*",
-        help="compare, publish, consume, latency, sustained, backlog, tablesize, profile",
+        help="compare, publish, consume, latency, sustained, backlog, tablesize, profile, targets",
     )
     ap.add_argument(
         "--compare",

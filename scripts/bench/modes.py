@@ -352,4 +352,6 @@ def all_ok(report: dict) -> bool:
         ok &= bool(ts.get("ok")) and not ts.get("problems")
     if "profile" in report:
         ok &= bool(report["profile"].get("ok"))
+    if "server_cpu" in report:  # `targets`
+        ok &= bool(report["server_cpu"])
     return bool(ok)
