@@ -471,3 +471,111 @@ def test_retention_deletes_the_groups_old_probes(topic, schema):
         ).all()
     assert dict(left) == {"g": 24, "other": 48}  # the g ones 0.5 to 23.5 hours old
     assert len(monitor.breaker_info(engine, "g", probe_limit=100)["probes"]) == 24
+
+
+# -- a probe's outcome written, its answer lost -----------------------------------------
+
+COMMIT_LOCK = (20_517, 9)
+"""The advisory lock (two-int form) a transaction that ends a lease waits for at its
+COMMIT, while `commits_wait` is in place and the test holds it."""
+
+
+def commits_wait(engine: Engine, schema: str) -> None:
+    """A deferred trigger: every transaction that ends a lease of `delivery` waits, at
+    its COMMIT, for `COMMIT_LOCK` (a test that holds it holds such commits there)."""
+    key = ", ".join(map(str, COMMIT_LOCK))
+    sql(
+        engine,
+        f'CREATE FUNCTION "{schema}".commit_waits() RETURNS trigger LANGUAGE plpgsql'
+        f" AS $$ BEGIN PERFORM pg_advisory_xact_lock_shared({key}); RETURN NULL; END $$",
+    )
+    sql(
+        engine,
+        f'CREATE CONSTRAINT TRIGGER commit_waits AFTER UPDATE ON "{schema}".delivery'
+        " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW"
+        " WHEN (OLD.lease_owner IS NOT NULL AND NEW.lease_owner IS NULL)"
+        f' EXECUTE FUNCTION "{schema}".commit_waits()',
+    )
+
+
+def commit_waiting(holder: psycopg.Connection) -> bool:
+    """Whether a transaction of this database waits at its COMMIT for `COMMIT_LOCK`."""
+    found = holder.execute(
+        "SELECT count(*) FROM pg_locks l JOIN pg_database db ON db.oid = l.database"
+        " WHERE db.datname = current_database() AND l.locktype = 'advisory'"
+        " AND l.classid = %s AND l.objid = %s AND l.objsubid = 2 AND NOT l.granted",
+        COMMIT_LOCK,
+    ).fetchone()
+    return found is not None and found[0] > 0
+
+
+LOST_ANSWERS = {
+    # the first probe: what the handler does, and the run's counts at the end
+    # (handled, done, retried, dead, refused); a failed first probe is followed by one
+    # that succeeds and closes the group
+    "succeeds": (1, 1, 0, 0, 0),
+    "fails": (2, 1, 1, 0, 0),
+    "fails_on_a_dead_row": (2, 1, 0, 1, 0),  # stays dead, no attempt charged
+}
+
+
+@pytest.mark.parametrize("first", list(LOST_ANSWERS))
+def test_a_probe_outcome_whose_answer_was_lost_counts_as_written(topic, schema, pg_dsn, first):
+    """The probe's outcome (with the close, for a success) commits, but the connection is
+    cut before its answer arrives: the retry finds the lease gone, and the outcome must
+    count as written, as the handler said (before: "probe outcome refused ... (lease
+    lost)", counted in `refused`). Deterministic: the probe's COMMIT waits for a lock the
+    test holds (`commits_wait`); the proxy stalls, the lock goes, the commit is seen in
+    the database, and only then is the connection cut."""
+    from chaos.proxy import Proxy
+
+    engine = topic
+    pin_frontier(engine, "t")  # keeps the probe's done row readable
+    mid = pgq.publish(engine, "t", {"n": 1})
+    max_attempts = 3
+    if first == "fails_on_a_dead_row":
+        kill_all_systemic(engine, schema, max_attempts, where=f"message_id = {mid}")
+    open_group(engine, schema)
+    commits_wait(engine, schema)
+    probes = Probes()
+
+    def handler(msg: pgq.Message) -> None:
+        if probes.note(msg) and first != "succeeds" and len(probes.ids()) == 1:
+            raise ConnectionError("dependency still down")
+
+    def lease_ended() -> bool:
+        return rows(engine, "g")[mid].lease_owner is None
+
+    with (
+        psycopg.connect(pg_dsn, autocommit=True) as holder,
+        Proxy.for_dsn(pg_dsn) as proxy,
+    ):
+        holder.execute("SELECT pg_advisory_lock(%s, %s)", COMMIT_LOCK)
+        through = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
+        consumer = pgq.Consumer(through, "g", handler, **{**SHORT, "max_attempts": max_attempts})
+        consumer.start()
+        try:
+            wait_until(lambda: commit_waiting(holder), 20, "the probe's commit to wait")
+            proxy.stall()  # the commit's answer stays in the proxy
+            holder.execute("SELECT pg_advisory_unlock(%s, %s)", COMMIT_LOCK)
+            wait_until(lease_ended, 10, "the probe's outcome to commit")
+            proxy.cut()  # the answer is lost
+            proxy.resume()
+            wait_until(
+                lambda: not consumer.breaker_states()["group_breaker"],
+                30,
+                "the member to see the group closed",
+                describe=lambda: (probes.ids(), pgq.status(engine, "g")["breaker"]),
+            )
+            view = consumer._gate.epoch if consumer._gate is not None else None
+        finally:
+            summary = consumer.stop(timeout=10)
+            through.dispose()
+    breaker = pgq.status(engine, "g")["breaker"]
+    assert (breaker["state"], breaker["epoch"], view) == ("CLOSED", 2, 2), breaker
+    counts = LOST_ANSWERS[first]
+    assert probes.ids() == [mid] * counts[0]
+    row = rows(engine, "g")[mid]
+    assert (row.state, row.attempts, row.lease_owner) == ("done", 1, None)
+    found = (summary.handled, summary.done, summary.retried, summary.dead, summary.refused)
+    assert found == counts, summary
