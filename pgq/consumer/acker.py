@@ -12,13 +12,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from pgq.consumer.member import Member, Role
 from pgq.consumer.timing import ACK
 from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.logcontext import get_logger
 from pgq.records import Lease, Outcome, OutcomeKind
-from pgq.store import RoleConnection
+from pgq.store import GroupStore, RoleConnection
 
 logger = get_logger("pgq.consumer")
 
@@ -31,6 +33,33 @@ DONE = OutcomeKind.DONE
 
 IDLE_WAIT = 1.0
 """Seconds an idle acker sleeps between checks (`stop()` wakes it at once)."""
+
+
+def write_outcomes(
+    conn: RoleConnection,
+    store: GroupStore,
+    write: Callable[..., set[Lease]],
+    outcomes: list[Outcome],
+    *args: Any,
+    single: bool = False,
+    give_up: threading.Event | None = None,
+) -> set[Lease]:
+    """`write(conn, outcomes, *args)` in one transaction (`single`: one statement that
+    commits by itself), retried while the database is away, unless `give_up` (by
+    default the connection's stop event) is set; the leases it applied.
+
+    When the connection broke during the write, it may have committed all the same:
+    after the retry, the outcomes it did not apply are looked up (`store.settled`),
+    and those the database shows settled by their own lease count as applied, not
+    as refused. The acker's batches and the prober's probe outcomes are written so."""
+    try:
+        return conn.run(write, outcomes, *args, single=single)
+    except DatabaseUnavailable:
+        if (give_up or conn.stop).is_set():
+            raise
+    applied = conn.retrying(write, outcomes, *args, single=single)
+    unseen = [o for o in outcomes if o.claimed.lease not in applied]
+    return applied | (conn.retrying(store.settled, unseen) if unseen else set())
 
 
 class Acker(Role):
@@ -146,20 +175,10 @@ class Acker(Role):
         return applied
 
     def _record(self, conn: RoleConnection, outcomes: list[Outcome]) -> set[Lease]:
-        """Write outcomes of one kind; the leases applied. When the connection broke
-        during the write, the statement may have committed all the same: after the
-        retry, the outcomes it did not apply are looked up, and those the database
-        shows settled by their own lease count as applied (not as refused)."""
+        """Write outcomes of one kind; the leases applied (`write_outcomes`; one try
+        once the member is halted, as by `abort`, whose connection is not this one)."""
         m = self.member
-        store = m.store
-        try:
-            return conn.run(store.record, outcomes, single=True)
-        except DatabaseUnavailable:
-            if m.halt.is_set():
-                raise
-        applied = conn.retrying(store.record, outcomes, single=True)
-        unseen = [o for o in outcomes if o.claimed.lease not in applied]
-        return applied | (conn.retrying(store.settled, unseen) if unseen else set())
+        return write_outcomes(conn, m.store, m.store.record, outcomes, single=True, give_up=m.halt)
 
     def _write_refused(self, conn: RoleConnection, outcome: Outcome, exc: PgqError) -> set[Lease]:
         """The database refused this outcome: record the attempt as a message failure

@@ -25,13 +25,24 @@ import threading
 import time
 from collections.abc import Callable
 
+from sqlalchemy import Connection
+
 from pgq.breaker import LeadMove, ProbeVerdict, judge_probe, lead_move
+from pgq.consumer.acker import write_outcomes
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
 from pgq.consumer.timing import HANDLER
 from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.logcontext import carrying, get_logger
-from pgq.records import BreakerState, BreakerView, Claimed, ErrorClass, Outcome, OutcomeKind
+from pgq.records import (
+    BreakerState,
+    BreakerView,
+    Claimed,
+    ErrorClass,
+    Lease,
+    Outcome,
+    OutcomeKind,
+)
 from pgq.store import LostLock, RoleConnection, probe_lock
 
 logger = get_logger("pgq.breaker")
@@ -257,16 +268,25 @@ class Prober(Role):
                 except LostLock as exc:
                     lost = exc
                 if lost is None:
-                    written, closed = self.conn.retrying(m.store.probe_succeeded, row, epoch)
-                    if closed is not None:
-                        self.gate.see_group(BreakerState.CLOSED, closed, by="probe")
+                    closes: list[int | None] = []
+
+                    def succeed(conn: Connection) -> bool:
+                        written, closed = m.store.probe_succeeded(conn, row, epoch)
+                        closes.append(closed)
+                        return written
+
+                    written = self._write(outcome, succeed)
+                    if closes[-1] is not None:
+                        self.gate.see_group(BreakerState.CLOSED, closes[-1], by="probe")
                 else:
                     # it succeeded but may not close: free the slot for the member that
                     # holds the lock now, and log the probe as it went
-                    written, _ = self.conn.retrying(m.store.probe_done, row)
+                    written = self._write(outcome, lambda conn: m.store.probe_done(conn, row)[0])
                     self.conn.retrying(m.store.probe_again, epoch, 0.0, "succeeded", row.id)
             else:
-                written = self.conn.retrying(m.store.record_probe, outcome, s.max_attempts)
+                written = self._write(
+                    outcome, lambda conn: m.store.record_probe(conn, outcome, s.max_attempts)
+                )
         finally:
             m.let_go([row.lease])
         m.count_outcome(outcome, pending=False)
@@ -276,6 +296,20 @@ class Prober(Role):
         if lost is not None:
             raise lost
         return outcome
+
+    def _write(self, outcome: Outcome, write: Callable[[Connection], bool]) -> bool:
+        """Whether `write(conn)`, a store call that returns True when it wrote the
+        probe's `outcome`, wrote it (in one transaction, retried while the database is
+        away). Written like the acker's outcomes (`write_outcomes`): when the answer
+        was lost to a cut connection and the retry finds the lease gone, the row tells
+        whether the probe's own write committed (not refused) or another member
+        reclaimed it."""
+        lease = outcome.claimed.lease
+
+        def once(conn: Connection, _: list[Outcome]) -> set[Lease]:
+            return {lease} if write(conn) else set()
+
+        return lease in write_outcomes(self.conn, self.member.store, once, [outcome])
 
     def _attempt(self, row: Claimed, epoch: int) -> Outcome:
         """The handler on the probe row, bounded by `handler_timeout`.

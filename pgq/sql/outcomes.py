@@ -174,13 +174,19 @@ def _available_at() -> ColumnElement[Any]:
 @cache
 def settled() -> Executable:
     """The rows of `:gid` for the messages `:ids`, whoever holds them: lease token,
-    state, attempts and whether a lease is held. From them the caller tells its
-    own outcome, written by a statement whose answer was lost, from a reclaim: a
-    row no longer leased that still carries the outcome's token (a claim's token
-    is never given again: only the holder's outcome or an expiry sweep could have
-    ended it), or for a success no row at all (the ack deletes what it finishes)."""
+    state, attempts, whether a lease is held and error class. From them the caller
+    tells its own outcome, written by a statement whose answer was lost, from a
+    reclaim: a row no longer leased that still carries the outcome's token (a
+    claim's token is never given again: only the holder's outcome or an expiry
+    sweep could have ended it), or for a success no row at all (the ack deletes
+    what it finishes)."""
     return select(
-        d.c.message_id, d.c.lease_seq, d.c.state, d.c.attempts, d.c.lease_owner.is_(None)
+        d.c.message_id,
+        d.c.lease_seq,
+        d.c.state,
+        d.c.attempts,
+        d.c.lease_owner.is_(None),
+        d.c.error_class,
     ).where(
         d.c.group_id == bindparam("gid"),
         d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger))),

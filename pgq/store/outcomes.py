@@ -5,6 +5,7 @@ from __future__ import annotations
 from sqlalchemy import Connection
 
 from pgq.records import (
+    ErrorClass,
     Lease,
     Outcome,
     OutcomeKind,
@@ -70,9 +71,11 @@ class Outcomes(GroupScope):
         settled exactly as their outcome says (a write that committed but whose answer
         a cut connection lost): for successes the row gone (the ack deletes it) or
         marked done; for failures the state and the attempt count the outcome sets
-        (an expiry sweep leaves the count alone). A success whose row another member
-        reclaimed and finished after the cut counts as settled too: the message was
-        done, and the reclaim explains the second run."""
+        (an expiry sweep leaves the count alone), or for a group probe's systemic
+        failure on a row dead at `max_attempts` that row dead, uncharged, of class
+        systemic (`breaker_sql.probe_failed_dead`; a sweep kills of class `lease`). A
+        success whose row another member reclaimed and finished after the cut counts
+        as settled too: the message was done, and the reclaim explains the second run."""
         if not outcomes:
             return set()
         params = {"gid": self.gid, "ids": [o.claimed.id for o in outcomes]}
@@ -84,10 +87,13 @@ class Outcomes(GroupScope):
                 if o.kind == OutcomeKind.DONE:
                     found.add(o.claimed.lease)
                 continue
-            _, seq, state, attempts, released = row
+            _, seq, state, attempts, released, error_class = row
             if seq != o.claimed.seq or not released or state != _row_state(o.kind):
                 continue
             charge = 0 if o.kind in (OutcomeKind.DONE, OutcomeKind.SNOOZE) else 1
             if o.kind == OutcomeKind.DONE or attempts == o.claimed.attempts + charge:
                 found.add(o.claimed.lease)
+            elif attempts == o.claimed.attempts and error_class == o.error_class:
+                if error_class == ErrorClass.SYSTEMIC:  # a probe of a dead row stays dead
+                    found.add(o.claimed.lease)
         return found
