@@ -12,6 +12,11 @@ Found by attack:
   on, and the driver's own lock (not reentrant) never comes. Here the final pass
   waits on a lock on the member row (an operator's transaction) while the acker
   waits on a lock on a delivery row; the process never exits.
+- The second signal hangs while the network to the database is stalled (packets
+  dropped, nothing reset): `abort` writes the queued outcomes on `claims` and
+  releases the session lock on `session` with no bound on either (a statement
+  sent into the stall waits for an answer, and a link another thread's stalled
+  statement holds is waited for), so the process never exits.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
+from chaos.proxy import Proxy
 from helpers import consumer_env, finish, read_ids, spawn_pgq, wait_until, waiting_on
 from sqlalchemy import Engine, text
 
@@ -101,3 +107,38 @@ def test_a_second_signal_during_the_final_pass_exits_at_once(
         blocker.close()
     assert code == 1, stderr
     assert took < PROMPT, (took, stderr)
+
+
+def test_a_second_signal_while_the_network_is_stalled_exits_at_once(
+    orders: Engine, pgq_env: dict[str, str], pg_dsn: str, tmp_path: Path, procs: list
+) -> None:
+    engine = orders
+    ids = pgq.publish_many(engine, "orders", [{"n": i} for i in range(3)])
+    with Proxy.for_dsn(pg_dsn) as proxy:
+        env = consumer_env(pgq_env, tmp_path, TESTQ_TAG="a", PGQ_DSN=proxy.dsn(pg_dsn), **SETTINGS)
+        args = ("consume", "billing", "--handler", "attack_writes_handlers:gated_each")
+        log = tmp_path / "a.log"
+        a = spawn_pgq(env, *args, "--workers", "3", "--name", "a", log=log)
+        procs.append(a)
+        wait_until(lambda: len(read_ids(tmp_path, "started")) == 3, 30, "three handlers to start")
+        proxy.stall()
+        for mid in ids:  # their outcomes go to an acker whose write the stall holds
+            (tmp_path / f"go-{mid}").touch()
+        wait_until(lambda: len(read_ids(tmp_path, "handled")) == 3, 20, "the three handled")
+        a.send_signal(signal.SIGTERM)
+        wait_until(
+            lambda: "stopping on signal" in log.read_text(),
+            10,
+            "the first signal to be taken",
+        )
+        sent = time.monotonic()
+        a.send_signal(signal.SIGTERM)
+        try:
+            code, _, _ = finish(a, PROMPT + 25)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{log.read_text()}") from None
+        finally:
+            proxy.resume()
+        took = time.monotonic() - sent
+    assert code == 1, log.read_text()
+    assert took < PROMPT, (took, log.read_text())
