@@ -17,7 +17,7 @@ from helpers import pin_frontier, rows
 from sqlalchemy import Engine, text
 
 import pgq
-from pgq.records import Outcome, OutcomeKind
+from pgq.records import Claimed, Outcome, OutcomeKind
 from pgq.store import GroupStore, group_info, run_once
 
 
@@ -27,8 +27,8 @@ def test_a_systemic_failure_the_sweep_reclaimed_is_not_settled(orders: Engine, s
     mid = pgq.publish(engine, "orders", {"n": 1})
     store = GroupStore(group_info(engine, "billing").id, "billing", "orders", "m", 30.0, 3)
 
-    def systemic(claimed: object) -> Outcome:
-        return Outcome(claimed, OutcomeKind.RETRY, 0.0, "systemic", "the dependency is down")  # type: ignore[arg-type]
+    def systemic(claimed: Claimed) -> Outcome:
+        return Outcome(claimed, OutcomeKind.RETRY, 0.0, "systemic", "the dependency is down")
 
     [first] = run_once(engine, store.claim, 1, 0)
     assert run_once(engine, store.record, [systemic(first)]) == {first.lease}
