@@ -93,7 +93,10 @@ class Outcomes(GroupScope):
             charge = 0 if o.kind in (OutcomeKind.DONE, OutcomeKind.SNOOZE) else 1
             if o.kind == OutcomeKind.DONE or attempts == o.claimed.attempts + charge:
                 found.add(o.claimed.lease)
-            elif attempts == o.claimed.attempts and error_class == o.error_class:
-                if error_class == ErrorClass.SYSTEMIC:  # a probe of a dead row stays dead
-                    found.add(o.claimed.lease)
+            elif (
+                o.kind == OutcomeKind.DEAD  # a probe's systemic failure of a dead row
+                and attempts == o.claimed.attempts
+                and error_class == ErrorClass.SYSTEMIC
+            ):
+                found.add(o.claimed.lease)
         return found
