@@ -32,15 +32,19 @@ from pgq.consumer.maintenance import Maintenance
 from pgq.consumer.member import REFUSALS, Member
 from pgq.consumer.workers import Workers
 from pgq.errors import DatabaseUnavailable, PgqError
-from pgq.logcontext import get_logger
-from pgq.records import RunSummary
-from pgq.store import RoleConnection, SessionLock
+from pgq.logcontext import carrying, get_logger
+from pgq.records import Claimed, RunSummary
+from pgq.store import RoleConnection, SessionLock, private_link
 
 VACUUM_EVERY = 5.0
 """Seconds between a member's checks whether `delivery` needs a VACUUM (decision 0021)."""
 
 RETENTION_EVERY = 60.0
 """Seconds between a member's retention passes (the first runs at start)."""
+
+ABORT_WAIT = 2.0
+"""Seconds the second signal waits for its writes and releases before it returns (and
+`pgq consume` exits): what is not done by then is left to the leases' expiry."""
 
 logger = get_logger("pgq.consumer")
 
@@ -57,9 +61,9 @@ class Runtime:
         self.session = session
         """The member's session lock: it is live while this connection holds it."""
         self.conn = RoleConnection(member.links.claims, "final", threading.Event())
-        """For the abort and the final pass (no retries: each tries once), on the
-        claims connection: claiming has stopped by then, and an outcome write stuck
-        behind a lock may hold the work connection still."""
+        """For the final pass (no retries: each tries once), on the claims connection:
+        claiming has stopped by then, and an outcome write stuck behind a lock may hold
+        the work connection still. (The abort opens a connection of its own.)"""
         self.acker = Acker(member)
         self.workers = Workers(member, gate, self.acker, clock)
         self.fetcher = Fetcher(member, gate)
@@ -104,22 +108,47 @@ class Runtime:
         self.fetcher.start()
 
     def abort(self) -> None:
-        """Second signal: stop dispatching, make every database retry give up, write
-        the outcomes already queued (the acker's write, one try each, on this
-        connection: the acker may be stuck behind a lock) and release what is buffered
-        or deferred. Returns without waiting for any thread."""
+        """Second signal: stop dispatching, make every database retry give up, then on
+        a thread of its own and a connection of its own write the outcomes already
+        queued (the acker's write, one try each) and release what is buffered or
+        deferred. Waits for that at most `ABORT_WAIT` seconds.
+
+        Not on this thread's connections: the signal may have interrupted this very
+        thread inside a statement on one of them (the final pass), and the acker may
+        be stuck behind a lock on another; a fresh session also outlives a cut that
+        killed the idle ones, and a stalled network costs the bounded wait, not a hang.
+        """
         m = self.member
         m.request_stop("signal")
         m.pool.shut()
         m.halt.set()
         rows = m.pool.drain() + m.take_deferred()
+        writer = threading.Thread(
+            target=carrying(functools.partial(self._write_and_release, rows)),
+            name="pgq-abort",
+            daemon=True,
+        )
+        writer.start()
+        writer.join(ABORT_WAIT)
+        if writer.is_alive():
+            logger.warning(
+                "abort gave up waiting for its writes seconds=%g (the leases will expire)",
+                ABORT_WAIT,
+            )
+
+    def _write_and_release(self, rows: list[Claimed]) -> None:
+        m = self.member
+        link = private_link(m.links.claims.engine, "abort")
         try:
-            self.acker.write_queued(self.conn)
+            conn = RoleConnection(link, "abort", threading.Event())
+            self.acker.write_queued(conn)
             if rows:
-                released = self.conn.run(m.store.release, [row.lease for row in rows])
+                released = conn.run(m.store.release, [row.lease for row in rows])
                 m.count_released(len(released))
         except PgqError as exc:
             logger.warning("abort could not write or release everything error=%s", exc)
+        finally:
+            link.close()
         self.session.release()
 
     def shutdown(self, grace: float) -> int:
