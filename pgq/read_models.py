@@ -26,6 +26,8 @@ __all__ = [
     "GroupStatus",
     "JsonModel",
     "MemberStatus",
+    "MessagePage",
+    "MessageSummary",
     "StatusAll",
     "TopicGroup",
     "TopicInfo",
@@ -274,3 +276,78 @@ class Topics:
 
     def to_json(self) -> dict[str, Any]:
         return {"topics": [tp.to_json() for tp in self.topics]}
+
+
+@dataclass(frozen=True, slots=True)
+class MessageSummary:
+    """One row of a group's messages page: the delivery row, its message's key and
+    publishing time, and the starts of its last error and payload (as JSON text)."""
+
+    message_id: int
+    state: str
+    attempts: int
+    reclaims: int
+    refunds: int
+    error_class: str | None
+    error: str | None
+    available_at: dt.datetime
+    updated_at: dt.datetime
+    lease_owner: str | None
+    key: str | None
+    created_at: dt.datetime
+    payload: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "message_id": self.message_id,
+            "state": self.state,
+            "attempts": self.attempts,
+            "reclaims": self.reclaims,
+            "refunds": self.refunds,
+            "error_class": self.error_class,
+            "error": self.error,
+            "available_at": iso(self.available_at),
+            "updated_at": iso(self.updated_at),
+            "lease_owner": self.lease_owner,
+            "key": self.key,
+            "created_at": iso(self.created_at),
+            "payload": self.payload,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class MessagePage:
+    """One page of a group's messages, in message id order (`descending`: newest
+    first), as the keyset left it.
+
+    `more`: rows past this page may match (`next_after`/`next_before` continue,
+    whichever the direction needs); `searched_to`: the page looked through a
+    bounded window (a filter without an index) and ended there without filling
+    up, so the next page searches on from that id.
+    """
+
+    rows: tuple[MessageSummary, ...]
+    descending: bool
+    more: bool
+    searched_to: int | None
+    now: dt.datetime
+
+    @property
+    def first_id(self) -> int | None:
+        return self.rows[0].message_id if self.rows else None
+
+    @property
+    def last_id(self) -> int | None:
+        """Where the next page starts from: the last row shown, or the end of the
+        window searched when that is further."""
+        if self.searched_to is not None:
+            return self.searched_to
+        return self.rows[-1].message_id if self.rows else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "messages": [r.to_json() for r in self.rows],
+            "order": "desc" if self.descending else "asc",
+            "more": self.more,
+            "searched_to": self.searched_to,
+        }

@@ -243,3 +243,42 @@ class Sweep:
 
     reclaimed: int
     dead: int
+
+
+@dataclass(frozen=True, slots=True)
+class MessageFilter:
+    """Which of a group's delivery rows to find (the dashboard's messages page, and
+    the bulk requeue and purge of "every dead row that matches"). Every field left
+    None matches everything; the ones given must all match.
+
+    `error` is a case-insensitive part of the last error text; `field` a payload
+    path (`customer.id`: keys separated by dots) whose value, as text, is `value`
+    (`{"n": 1}` matches `n` = `1`); `published_from` (inclusive) and
+    `published_to` (exclusive) bound the message's `created_at`; `up_to` is the
+    highest message id (a confirmation page fixes it, so rows that die after it
+    was drawn are not swept up).
+    """
+
+    message_id: int | None = None
+    key: str | None = None
+    state: str | None = None
+    error_class: str | None = None
+    error: str | None = None
+    field: str | None = None
+    value: str | None = None
+    published_from: dt.datetime | None = None
+    published_to: dt.datetime | None = None
+    up_to: int | None = None
+
+    def shape(self) -> frozenset[str]:
+        """The names of the fields given (statements are built once per shape), with
+        the state's own word: a state is matched as a literal so that the planner
+        can use the partial indexes of ready, leased and failed rows."""
+        given = {f.name for f in fields(self) if getattr(self, f.name) is not None}
+        if self.state is not None:
+            given.add(f"state={self.state}")
+        return frozenset(given)
+
+    def path(self) -> list[str]:
+        """`field` as the list of keys `#>>` takes."""
+        return [] if self.field is None else self.field.split(".")

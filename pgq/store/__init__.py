@@ -9,6 +9,7 @@
 - `lifecycle`: listing topics, removing a group or a topic (audited);
 - `migrations`: the versioned schema;
 - `inspect`: the reads behind status, members, breaker, dead and check;
+- `messages`: finding a group's messages by filter, a keyset page at a time;
 - `admin`: audited requeue and purge, the reads behind show and audit, and the
   demo's housekeeping.
 """

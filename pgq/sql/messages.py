@@ -1,0 +1,207 @@
+"""Statements that find a group's messages: the dashboard's messages page.
+
+A page is keyset-paginated on the message id (`delivery`'s primary key is
+`(group_id, message_id)`), so page 10,000 costs what page 1 does. The filters
+of a `pgq.records.MessageFilter` split in two:
+
+- on the delivery row, cheap or indexed: the id, the state (a literal, so that
+  the partial indexes of ready, leased and failed rows can serve it) and the
+  error class (a key of the failed-rows index); `up_to`;
+- read row by row, without an index (no schema change for search): the key, a
+  payload field, the error text, the publishing time.
+
+A page with only the first kind walks the primary key (or one of those indexes)
+until it has its rows. With the second kind a sparse match could walk the whole
+group, so such a page examines a bounded window instead: `window_end` finds the
+id `:scan` rows on (by the first kind's filters alone, an index-only walk), and
+the page looks only up to there; the page then says how far it searched, and
+the next one continues from there. Measured on 1,000,000 rows in
+`docs/benchmarks.md` ("Issue 23").
+
+Every statement is built once per filter shape and direction (`functools.cache`);
+the values are bind parameters.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from sqlalchemy import BigInteger, Integer, Text, bindparam, func, literal_column, select
+from sqlalchemy.dialects.postgresql import ARRAY, TIMESTAMP
+from sqlalchemy.sql import ColumnElement, Executable, Select
+
+from pgq import schema as t
+from pgq.records import RowState
+
+__all__ = [
+    "ERROR_SHOWN",
+    "KEYSET",
+    "PAYLOAD_SHOWN",
+    "UNINDEXED",
+    "count_matching",
+    "delivery_matches",
+    "message_matches",
+    "page",
+    "window_end",
+]
+
+d, m = t.delivery, t.message
+
+ERROR_SHOWN = 300
+"""Characters of the last error a page row carries (the message page has it all)."""
+
+PAYLOAD_SHOWN = 160
+"""Characters of the payload's JSON text a page row carries."""
+
+UNINDEXED = frozenset({"key", "error", "field", "value", "published_from", "published_to"})
+"""The filters read row by row (see the module docstring): a page with any of them
+looks through a bounded window."""
+
+
+def _word(state: str) -> ColumnElement[Any]:
+    return literal_column(f"'{RowState(state).value}'", Text)
+
+
+def delivery_matches(shape: frozenset[str]) -> list[ColumnElement[bool]]:
+    """The conditions on `delivery` alone of a filter of `shape`, for group `:gid`."""
+    where: list[ColumnElement[bool]] = [d.c.group_id == bindparam("gid", type_=Integer)]
+    if "message_id" in shape:
+        where.append(d.c.message_id == bindparam("message_id", type_=BigInteger))
+    if "up_to" in shape:
+        where.append(d.c.message_id <= bindparam("up_to", type_=BigInteger))
+    for word in RowState:
+        if f"state={word.value}" in shape:
+            where.append(d.c.state == _word(word.value))
+            if word is RowState.DEAD:  # always true: lets the failed-rows index serve it
+                where.append(d.c.error_class.is_not(None))
+    if "error_class" in shape:
+        where.append(d.c.error_class == bindparam("error_class", type_=Text))
+    if "error" in shape:
+        needle = func.lower(bindparam("error", type_=Text))
+        where.append(func.strpos(func.lower(d.c.last_error), needle) > 0)
+    return where
+
+
+def message_matches(shape: frozenset[str]) -> list[ColumnElement[bool]]:
+    """The conditions on `message` of a filter of `shape` (the caller relates the
+    message to its delivery row)."""
+    where: list[ColumnElement[bool]] = []
+    if "key" in shape:
+        where.append(m.c.key == bindparam("key", type_=Text))
+    if "field" in shape:
+        path = bindparam("path", type_=ARRAY(Text))
+        where.append(m.c.payload.op("#>>")(path) == bindparam("value", type_=Text))
+    if "published_from" in shape:
+        where.append(m.c.created_at >= bindparam("published_from", type_=TIMESTAMP(True)))
+    if "published_to" in shape:
+        where.append(m.c.created_at < bindparam("published_to", type_=TIMESTAMP(True)))
+    return where
+
+
+KEYSET = frozenset({"after", "before", "bound"})
+"""Bounds a page adds to the filter's shape: ids after `:after`, before `:before`,
+and up to `:bound` (down to it, descending: the window's end). Each is in the
+statement only when given, never as `:x IS NULL OR ...`, which a prepared
+statement's generic plan could not use as an index bound."""
+
+
+def _bounds(shape: frozenset[str], descending: bool) -> list[ColumnElement[bool]]:
+    where = []
+    if "after" in shape:
+        where.append(d.c.message_id > bindparam("after", type_=BigInteger))
+    if "before" in shape:
+        where.append(d.c.message_id < bindparam("before", type_=BigInteger))
+    if "bound" in shape:
+        bound = bindparam("bound", type_=BigInteger)
+        where.append(d.c.message_id >= bound if descending else d.c.message_id <= bound)
+    return where
+
+
+def _order(descending: bool) -> ColumnElement[Any]:
+    return d.c.message_id.desc() if descending else d.c.message_id.asc()
+
+
+@cache
+def window_end(shape: frozenset[str], descending: bool) -> Select[Any]:
+    """The id `:scan` rows on from the keyset (`:after`/`:before` when in `shape`),
+    counting only the rows the delivery-side filters of `shape` keep, and the id
+    after it: two rows while rows are left past the window, else fewer (then the
+    window is the rest of the group).
+
+    The text filters are left out on purpose: this walk is what bounds a page's
+    cost, so it must not itself read every row's error text.
+    """
+    cheap = shape - {"error", "bound"}
+    return (
+        select(d.c.message_id)
+        .where(*delivery_matches(cheap), *_bounds(cheap, descending))
+        .order_by(_order(descending))
+        .offset(bindparam("scan", type_=Integer) - 1)
+        .limit(2)
+    )
+
+
+PAGE_COLUMNS = (
+    "message_id",
+    "state",
+    "attempts",
+    "reclaims",
+    "refunds",
+    "error_class",
+    "error",
+    "available_at",
+    "updated_at",
+    "lease_owner",
+    "key",
+    "created_at",
+    "payload",
+)
+"""What `page` returns, in order (the store maps its rows by these names)."""
+
+
+@cache
+def page(shape: frozenset[str], descending: bool) -> Select[Any]:
+    """Up to `:limit` delivery rows of group `:gid` that match a filter of `shape`,
+    in message id order (`descending`: newest first), within the keyset bounds in
+    `shape` (`KEYSET`; `:bound` is `window_end`'s), with their message's key,
+    publishing time and the start of its payload (`PAGE_COLUMNS`)."""
+    columns = [
+        d.c.message_id,
+        d.c.state,
+        d.c.attempts,
+        d.c.reclaims,
+        d.c.refunds,
+        d.c.error_class,
+        func.left(d.c.last_error, ERROR_SHOWN).label("error"),
+        d.c.available_at,
+        d.c.updated_at,
+        d.c.lease_owner,
+        m.c.key,
+        m.c.created_at,
+        func.left(func.cast(m.c.payload, Text), PAYLOAD_SHOWN).label("payload"),
+    ]
+    assert tuple(c.key for c in columns) == PAGE_COLUMNS
+    return (
+        select(*columns)
+        .select_from(d.join(m, m.c.id == d.c.message_id))
+        .where(
+            *delivery_matches(shape),
+            *message_matches(shape),
+            *_bounds(shape, descending),
+        )
+        .order_by(_order(descending))
+        .limit(bindparam("limit", type_=Integer))
+    )
+
+
+@cache
+def count_matching(shape: frozenset[str]) -> Executable:
+    """How many delivery rows of group `:gid` match a filter of `shape`, and the
+    highest id among them (a bulk action's confirmation shows the one and fixes
+    the other as the filter's `up_to`)."""
+    return (
+        select(func.count().label("n"), func.max(d.c.message_id).label("up_to"))
+        .select_from(d.join(m, m.c.id == d.c.message_id))
+        .where(*delivery_matches(shape), *message_matches(shape))
+    )

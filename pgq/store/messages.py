@@ -1,0 +1,192 @@
+"""Finding a group's messages: the reads behind the dashboard's messages page.
+
+`find` reads one keyset page of a group's delivery rows that match a
+`pgq.records.MessageFilter` (statements in `pgq.sql.messages`, where the
+bounded search window is explained); `count_matching` counts the rows a bulk
+action would touch. `check_filter` validates a filter at this boundary, so a
+bad value is a `UsageError` (a 400 on the page), never a database error.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import replace
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+
+from pgq.errors import UsageError
+from pgq.read_models import MessagePage, MessageSummary
+from pgq.records import MessageFilter, RowState
+from pgq.sql import admin as admin_sql
+from pgq.sql import messages as q
+from pgq.store.admin import check_error_class, check_message_id
+from pgq.store.inspect import snapshot
+from pgq.store.topics import group_info
+
+__all__ = [
+    "MAX_PAGE",
+    "MAX_PATH_DEPTH",
+    "MAX_TEXT",
+    "SCAN",
+    "check_filter",
+    "count_matching",
+    "dead_filter",
+    "filter_params",
+    "find",
+]
+
+MAX_PAGE = 500
+"""The most rows one page holds."""
+
+SCAN = 20_000
+"""Rows a page with an unindexed filter (key, payload field, error text, time)
+looks through at most before it answers (`pgq.sql.messages`)."""
+
+MAX_TEXT = 1000
+"""The longest text a filter takes (a key, a value, an error text, a path)."""
+
+MAX_PATH_DEPTH = 16
+"""The most keys a payload path has."""
+
+
+def _text(name: str, value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise UsageError(f"invalid {name} filter: give some text")
+    if len(value) > MAX_TEXT:
+        raise UsageError(f"invalid {name} filter: at most {MAX_TEXT} characters")
+    if "\x00" in value:
+        raise UsageError(f"invalid {name} filter: no NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(f"invalid {name} filter: no lone surrogates") from None
+    return value
+
+
+def _time(name: str, value: dt.datetime | None) -> dt.datetime | None:
+    if value is not None and (not isinstance(value, dt.datetime) or value.tzinfo is None):
+        raise UsageError(f"invalid {name}: give a time with its time zone")
+    return value
+
+
+def check_filter(f: MessageFilter) -> MessageFilter:
+    """`f` if every value in it is one a search takes, else `UsageError` naming it."""
+    if f.message_id is not None:
+        check_message_id(f.message_id)
+    if f.up_to is not None:
+        check_message_id(f.up_to)
+    if f.state is not None and f.state not in {s.value for s in RowState}:
+        states = ", ".join(s.value for s in RowState)
+        raise UsageError(f"invalid state {f.state!r}: use one of {states}")
+    if f.error_class is not None:
+        check_error_class(f.error_class)
+    for name in ("key", "error", "field", "value"):
+        _text(name, getattr(f, name))
+    if (f.field is None) != (f.value is None):
+        raise UsageError("a payload filter needs both a field and a value")
+    if f.field is not None:
+        path = f.path()
+        if len(path) > MAX_PATH_DEPTH or not all(path):
+            raise UsageError(
+                f"invalid payload field {f.field!r}: keys separated by dots"
+                f" (at most {MAX_PATH_DEPTH})"
+            )
+    _time("published from", f.published_from)
+    _time("published to", f.published_to)
+    return f
+
+
+def filter_params(f: MessageFilter, gid: int) -> dict[str, Any]:
+    """The bind parameters of filter `f` for group `gid` (`pgq.sql.messages`)."""
+    return {
+        "gid": gid,
+        "message_id": f.message_id,
+        "up_to": f.up_to,
+        "error_class": f.error_class,
+        "error": f.error,
+        "key": f.key,
+        "path": f.path(),
+        "value": f.value,
+        "published_from": f.published_from,
+        "published_to": f.published_to,
+    }
+
+
+def find(
+    engine: Engine,
+    group: str,
+    f: MessageFilter | None = None,
+    *,
+    after: int | None = None,
+    before: int | None = None,
+    descending: bool = False,
+    limit: int = 50,
+    scan: int = SCAN,
+) -> MessagePage:
+    """One page of `group`'s delivery rows that match `f` (every row without it):
+    at most `limit` of them, by message id (`descending`: newest first), only ids
+    above `after` and below `before` when given. One snapshot. Raises
+    `UnknownGroup`, and `UsageError` for a bad filter or bounds.
+
+    A filter without an index (key, payload field, error text, publishing time)
+    looks through at most `scan` rows past the keyset; a page that ends there
+    without filling up says so (`searched_to`), and `more` is then true.
+    """
+    f = check_filter(f or MessageFilter())
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
+        raise UsageError(f"invalid page size {limit!r}: use 1 to {MAX_PAGE}")
+    if isinstance(scan, bool) or not isinstance(scan, int) or scan < 1:
+        raise UsageError(f"invalid scan {scan!r}: use a positive number of rows")
+    for bound in (after, before):
+        if bound is not None:
+            check_message_id(bound)
+    shape = set(f.shape())
+    if after is not None:
+        shape.add("after")
+    if before is not None:
+        shape.add("before")
+    with snapshot(engine) as conn:
+        params = filter_params(f, group_info(conn, group).id)
+        params.update(after=after, before=before, limit=limit + 1, scan=scan)
+        bound = None
+        if shape & q.UNINDEXED and "message_id" not in shape:
+            ends = conn.execute(q.window_end(frozenset(shape), descending), params).scalars()
+            bound = next(iter(ends.all()[:-1]), None)  # only while rows are past it
+            if bound is not None:
+                shape.add("bound")
+                params["bound"] = bound
+        rows = conn.execute(q.page(frozenset(shape), descending), params).all()
+        now = _now(conn)
+    summaries = tuple(MessageSummary(**r._mapping) for r in rows[:limit])
+    full = len(rows) > limit
+    searched_to = bound if bound is not None and not full else None
+    return MessagePage(
+        rows=summaries,
+        descending=descending,
+        more=full or searched_to is not None,
+        searched_to=searched_to,
+        now=now,
+    )
+
+
+def count_matching(engine: Engine, group: str, f: MessageFilter) -> tuple[int, int | None]:
+    """How many of `group`'s delivery rows match `f`, and the highest id among them
+    (None when none does). Raises `UnknownGroup`, and `UsageError` for a bad filter."""
+    check_filter(f)
+    with snapshot(engine) as conn:
+        params = filter_params(f, group_info(conn, group).id)
+        row = conn.execute(q.count_matching(f.shape()), params).one()
+    return int(row.n), None if row.up_to is None else int(row.up_to)
+
+
+def dead_filter(f: MessageFilter) -> MessageFilter:
+    """`f` narrowed to dead rows: what a bulk requeue or purge acts on."""
+    return replace(f, state=RowState.DEAD.value)
+
+
+def _now(conn: Connection) -> dt.datetime:
+    value: dt.datetime = conn.execute(admin_sql.clock()).scalar_one()
+    return value

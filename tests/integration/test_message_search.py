@@ -1,0 +1,140 @@
+"""Finding a group's messages (`pgq.store.messages`, issue 23) against real PostgreSQL:
+every filter, keyset pages both ways, and the bounded window of unindexed filters."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from helpers import kill
+from sqlalchemy import Engine, update
+
+import pgq
+from pgq import schema as t
+from pgq.errors import UnknownGroup, UsageError
+from pgq.records import MessageFilter
+from pgq.store.messages import count_matching, find
+
+
+@pytest.fixture
+def rows(engine: Engine) -> list[int]:
+    """Group `g` on `t` with 30 messages: ids[10:20] dead (odd ones with a `message`
+    error "Timeout talking to billing", even ones `permanent` "bad input"), the
+    rest ready; payload `{"n": i, "customer": {"id": "c<i mod 3>"}}`, key `k<i mod 2>`."""
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    ids = [
+        pgq.publish(engine, "t", {"n": i, "customer": {"id": f"c{i % 3}"}}, key=f"k{i % 2}")
+        for i in range(30)
+    ]
+    odd = [m for i, m in enumerate(ids[10:20]) if i % 2]
+    even = [m for i, m in enumerate(ids[10:20]) if not i % 2]
+    kill(engine, odd, "message", last_error="Timeout talking to billing")
+    kill(engine, even, "permanent", last_error="bad input")
+    return ids
+
+
+def ids_of(page) -> list[int]:
+    return [r.message_id for r in page.rows]
+
+
+def test_each_filter_finds_exactly_its_rows(engine, rows):
+    every = find(engine, "g", limit=100)
+    assert ids_of(every) == rows and not every.more
+    dead = MessageFilter(state="dead")
+    assert ids_of(find(engine, "g", dead)) == rows[10:20]
+    assert ids_of(find(engine, "g", MessageFilter(state="ready"))) == rows[:10] + rows[20:]
+    by_class = find(engine, "g", MessageFilter(error_class="permanent"))
+    assert ids_of(by_class) == rows[10:20:2]
+    by_text = find(engine, "g", MessageFilter(error="TIMEOUT talking"))  # any case
+    assert ids_of(by_text) == rows[11:20:2]
+    assert by_text.rows[0].error == "Timeout talking to billing"
+    by_field = find(engine, "g", MessageFilter(field="customer.id", value="c1"), limit=100)
+    assert ids_of(by_field) == [m for i, m in enumerate(rows) if i % 3 == 1]
+    by_number = find(engine, "g", MessageFilter(field="n", value="7"))
+    assert ids_of(by_number) == [rows[7]]
+    assert ids_of(find(engine, "g", MessageFilter(key="k1"), limit=100)) == rows[1::2]
+    assert ids_of(find(engine, "g", MessageFilter(message_id=rows[3]))) == [rows[3]]
+    both = MessageFilter(state="dead", key="k0", field="customer.id", value="c0")
+    expected = [m for i, m in enumerate(rows) if 10 <= i < 20 and i % 6 == 0]
+    assert ids_of(find(engine, "g", both)) == expected
+    assert count_matching(engine, "g", dead) == (10, rows[19])
+    assert count_matching(engine, "g", MessageFilter(key="nope")) == (0, None)
+
+
+def test_published_time_range(engine, rows):
+    base = dt.datetime(2024, 1, 1, tzinfo=dt.timezone.utc)
+    with engine.begin() as conn:
+        for i, mid in enumerate(rows):
+            conn.execute(
+                update(t.message)
+                .where(t.message.c.id == mid)
+                .values(created_at=base + dt.timedelta(hours=i))
+            )
+    window = MessageFilter(
+        published_from=base + dt.timedelta(hours=5), published_to=base + dt.timedelta(hours=8)
+    )
+    assert ids_of(find(engine, "g", window)) == rows[5:8]
+
+
+def test_keyset_pages_both_ways_cover_every_row_once(engine, rows):
+    seen, after = [], None
+    while True:
+        page = find(engine, "g", after=after, limit=7)
+        seen += ids_of(page)
+        if not page.more:
+            break
+        after = page.last_id
+    assert seen == rows
+    seen, before = [], None
+    while True:
+        page = find(engine, "g", before=before, descending=True, limit=7)
+        seen += ids_of(page)
+        if not page.more:
+            break
+        before = page.last_id
+    assert seen == rows[::-1]
+
+
+def test_an_unindexed_filter_searches_a_bounded_window_and_says_where_it_stopped(engine, rows):
+    wanted = MessageFilter(field="n", value="25")
+    first = find(engine, "g", wanted, scan=10)
+    assert first.rows == () and first.more and first.searched_to == rows[9]
+    second = find(engine, "g", wanted, after=first.last_id, scan=10)
+    assert second.rows == () and second.searched_to == rows[19]
+    third = find(engine, "g", wanted, after=second.last_id, scan=10)
+    assert ids_of(third) == [rows[25]] and not third.more and third.searched_to is None
+    # a page that fills up inside its window continues from its last row
+    many = find(engine, "g", MessageFilter(key="k0"), scan=10, limit=2)
+    assert ids_of(many) == [rows[0], rows[2]] and many.more and many.searched_to is None
+    backwards = find(engine, "g", wanted, descending=True, scan=10)
+    assert ids_of(backwards) == [rows[25]] and backwards.more
+    assert backwards.searched_to == rows[20]
+
+
+@pytest.mark.parametrize(
+    ("f", "words"),
+    [
+        (MessageFilter(state="gone"), "invalid state"),
+        (MessageFilter(error_class="SYSTEMIC"), "invalid error class"),
+        (MessageFilter(field="a..b", value="1"), "invalid payload field"),
+        (MessageFilter(field="a"), "both a field and a value"),
+        (MessageFilter(key="a\x00b"), "no NUL"),
+        (MessageFilter(error="\ud800"), "no lone surrogates"),
+        (MessageFilter(message_id=0), "invalid message id"),
+        (MessageFilter(published_from=dt.datetime(2024, 1, 1)), "time zone"),
+    ],
+)
+def test_bad_filters_are_usage_errors(engine, rows, f, words):
+    with pytest.raises(UsageError, match=words):
+        find(engine, "g", f)
+
+
+def test_an_unknown_group_and_bad_pages(engine, rows):
+    with pytest.raises(UnknownGroup):
+        find(engine, "nope")
+    for limit in (0, 501, True):
+        with pytest.raises(UsageError, match="page size"):
+            find(engine, "g", limit=limit)
+    with pytest.raises(UsageError, match="invalid message id"):
+        find(engine, "g", after=-1)
