@@ -45,6 +45,7 @@ from sqlalchemy.sql import ColumnElement, Executable, Insert, Select
 
 from pgq import schema as t
 from pgq.records import BreakerState, ErrorClass, Start
+from pgq.sql.messages import delivery_matches, message_matches
 from pgq.sql.refunds import charged_within
 
 d, br, g, gs, audit = t.delivery, t.breaker, t.consumer_group, t.group_state, t.audit
@@ -148,8 +149,12 @@ def lock_dead_ids() -> Select[Any]:
     return select(d.c.message_id).where(*_dead_rows(only_ids=True)).with_for_update()
 
 
-def _dead_rows(only_ids: bool = False, of_class: bool = False) -> list[ColumnElement[bool]]:
-    """Dead rows of `:gid` (only `:ids`; only those of error class `:cls`)."""
+def _dead_rows(
+    only_ids: bool = False, of_class: bool = False, matching: frozenset[str] = frozenset()
+) -> list[ColumnElement[bool]]:
+    """Dead rows of `:gid` (only `:ids`; only those of error class `:cls`; only those
+    that match a `MessageFilter` of shape `matching`, its values as
+    `pgq.sql.messages` names them: the message's side as an `EXISTS`)."""
     where = [
         d.c.group_id == bindparam("gid", type_=Integer),
         d.c.state == t.DEAD,
@@ -159,6 +164,12 @@ def _dead_rows(only_ids: bool = False, of_class: bool = False) -> list[ColumnEle
         where.append(d.c.message_id == any_(bindparam("ids", type_=ARRAY(BigInteger))))
     if of_class:
         where.append(d.c.error_class == bindparam("cls", type_=Text))
+    if matching:
+        where += delivery_matches(matching)[1:]  # the group is said above
+        on_message = message_matches(matching)
+        if on_message:
+            m = t.message
+            where.append(select(m.c.id).where(m.c.id == d.c.message_id, *on_message).exists())
     return where
 
 
@@ -239,10 +250,12 @@ def insert_audit(action: str) -> Insert:
     return insert(audit).values(dict(zip(AUDIT_COLUMNS, values, strict=True))).returning(audit.c.id)
 
 
-def _requeue(only_ids: bool, of_class: bool = False) -> Executable:
+def _requeue(
+    only_ids: bool, of_class: bool = False, matching: frozenset[str] = frozenset()
+) -> Executable:
     requeued = (
         update(d)
-        .where(*_dead_rows(only_ids, of_class))
+        .where(*_dead_rows(only_ids, of_class, matching))
         .values(
             state=t.READY,
             available_at=func.now(),
@@ -291,6 +304,13 @@ def requeue_class() -> Executable:
 
 
 @cache
+def requeue_matching(shape: frozenset[str]) -> Executable:
+    """`requeue_all` for the dead rows of `:gid` that match a `MessageFilter` of
+    `shape` (its values bound as `pgq.sql.messages` names them)."""
+    return _requeue(only_ids=False, matching=shape)
+
+
+@cache
 def notify() -> Executable:
     """Wake idle fetchers listening on `:channel` for topic `:topic` (sent at commit)."""
     return select(func.pg_notify(bindparam("channel", type_=Text), bindparam("topic", type_=Text)))
@@ -299,8 +319,10 @@ def notify() -> Executable:
 # --- pgq purge ------------------------------------------------------------------
 
 
-def _purge(older: bool) -> Executable:
-    dead = _dead_rows()
+def _purge(
+    older: bool, only_ids: bool = False, matching: frozenset[str] = frozenset()
+) -> Executable:
+    dead = _dead_rows(only_ids, matching=matching)
     if older:
         dead.append(d.c.updated_at < func.now() - bindparam("older_than", type_=Interval))
     purged = d.delete().where(*dead, ~_pending()).returning(d.c.message_id).cte("purged")
@@ -333,6 +355,13 @@ def purge_dead_older() -> Executable:
     """`purge_dead` for the rows whose last change (`updated_at`, the database clock)
     is older than `:older_than`."""
     return _purge(older=True)
+
+
+@cache
+def purge_selected(older: bool, only_ids: bool, matching: frozenset[str]) -> Executable:
+    """`purge_dead` (`purge_dead_older` with `older`) for the dead rows `:ids` of
+    `:gid` (with `only_ids`) that match a `MessageFilter` of shape `matching`."""
+    return _purge(older=older, only_ids=only_ids, matching=matching)
 
 
 # --- pgq show and pgq audit -----------------------------------------------------

@@ -19,7 +19,9 @@ the next one continues from there. Measured on 1,000,000 rows in
 `docs/benchmarks.md` ("Issue 23").
 
 Every statement is built once per filter shape and direction (`functools.cache`);
-the values are bind parameters.
+the values are bind parameters named `f_<field>` (`f_path` for the payload
+field's keys): never like a column, which an UPDATE given that parameter would
+also SET (`pgq.sql.admin` requeues by these filters).
 """
 
 from __future__ import annotations
@@ -67,18 +69,18 @@ def delivery_matches(shape: frozenset[str]) -> list[ColumnElement[bool]]:
     """The conditions on `delivery` alone of a filter of `shape`, for group `:gid`."""
     where: list[ColumnElement[bool]] = [d.c.group_id == bindparam("gid", type_=Integer)]
     if "message_id" in shape:
-        where.append(d.c.message_id == bindparam("message_id", type_=BigInteger))
+        where.append(d.c.message_id == bindparam("f_message_id", type_=BigInteger))
     if "up_to" in shape:
-        where.append(d.c.message_id <= bindparam("up_to", type_=BigInteger))
+        where.append(d.c.message_id <= bindparam("f_up_to", type_=BigInteger))
     for word in RowState:
         if f"state={word.value}" in shape:
             where.append(d.c.state == _word(word.value))
             if word is RowState.DEAD:  # always true: lets the failed-rows index serve it
                 where.append(d.c.error_class.is_not(None))
     if "error_class" in shape:
-        where.append(d.c.error_class == bindparam("error_class", type_=Text))
+        where.append(d.c.error_class == bindparam("f_error_class", type_=Text))
     if "error" in shape:
-        needle = func.lower(bindparam("error", type_=Text))
+        needle = func.lower(bindparam("f_error", type_=Text))
         where.append(func.strpos(func.lower(d.c.last_error), needle) > 0)
     return where
 
@@ -88,14 +90,14 @@ def message_matches(shape: frozenset[str]) -> list[ColumnElement[bool]]:
     message to its delivery row)."""
     where: list[ColumnElement[bool]] = []
     if "key" in shape:
-        where.append(m.c.key == bindparam("key", type_=Text))
+        where.append(m.c.key == bindparam("f_key", type_=Text))
     if "field" in shape:
-        path = bindparam("path", type_=ARRAY(Text))
-        where.append(m.c.payload.op("#>>")(path) == bindparam("value", type_=Text))
+        path = bindparam("f_path", type_=ARRAY(Text))
+        where.append(m.c.payload.op("#>>")(path) == bindparam("f_value", type_=Text))
     if "published_from" in shape:
-        where.append(m.c.created_at >= bindparam("published_from", type_=TIMESTAMP(True)))
+        where.append(m.c.created_at >= bindparam("f_published_from", type_=TIMESTAMP(True)))
     if "published_to" in shape:
-        where.append(m.c.created_at < bindparam("published_to", type_=TIMESTAMP(True)))
+        where.append(m.c.created_at < bindparam("f_published_to", type_=TIMESTAMP(True)))
     return where
 
 

@@ -12,7 +12,7 @@ import getpass
 import math
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 from sqlalchemy import Engine, Row
@@ -20,8 +20,7 @@ from sqlalchemy import Engine, Row
 from pgq.breaker import pending_scope
 from pgq.errors import UnknownGroup, UnknownTopic, UsageError
 from pgq.names import check_name
-from pgq.records import GroupInfo
-from pgq.schema import ERROR_CLASSES
+from pgq.records import GroupInfo, MessageFilter, RowState
 from pgq.settings import DEFAULTS
 from pgq.sql import admin as q
 from pgq.sql.locks import breaker_flip_key, xact_lock_shared
@@ -29,14 +28,15 @@ from pgq.sql.publish import notify_channel, topic_id
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
 from pgq.store.inspect import snapshot
+from pgq.store.messages import MAX_MESSAGE_ID as MAX_MESSAGE_ID
+from pgq.store.messages import check_error_class as check_error_class
+from pgq.store.messages import check_filter, filter_params
+from pgq.store.messages import check_message_id as check_message_id
 from pgq.store.placement import distributed
 from pgq.store.topics import group_info
 
 MAX_LISTED_IDS = 10_000
 """Most message ids one audit row lists; `count` always has the full number."""
-
-MAX_MESSAGE_ID = 2**63 - 1
-"""The largest message id (`bigint`)."""
 
 MAX_OLDER_THAN = 100 * 365 * 86400.0
 """The longest `older_than` a purge takes (a hundred years, in seconds)."""
@@ -90,26 +90,6 @@ def _unencodable(text: str) -> bool:
     return False
 
 
-def check_message_id(message_id: object) -> int:
-    """`message_id` if it is an int in `1..MAX_MESSAGE_ID`, else raise `UsageError`."""
-    if isinstance(message_id, bool) or not isinstance(message_id, int):
-        raise UsageError(f"invalid message id {message_id!r}: use a positive integer")
-    if not 1 <= message_id <= MAX_MESSAGE_ID:
-        raise UsageError(
-            f"invalid message id {message_id}: use a positive integer up to {MAX_MESSAGE_ID}"
-        )
-    return message_id
-
-
-def check_error_class(error_class: str) -> str:
-    """`error_class` if it is one of `systemic`, `message`, `permanent`, `lease`."""
-    if error_class not in ERROR_CLASSES:
-        raise UsageError(
-            f"invalid error class {error_class!r}: use one of {', '.join(ERROR_CLASSES)}"
-        )
-    return error_class
-
-
 def requeue(
     engine: Engine,
     group: str,
@@ -117,6 +97,7 @@ def requeue(
     *,
     all_dead: bool = False,
     error_class: str | None = None,
+    matching: MessageFilter | None = None,
     reason: str,
     actor: str | None = None,
     max_listed: int = MAX_LISTED_IDS,
@@ -134,13 +115,20 @@ def requeue(
     surrogate, an `error_class` without `all_dead`), and when any of `ids` is
     not a dead row of the group (`not dead: 12, 13`): then nothing is written.
     With `all_dead` the rows never pass through Python, so any number of them
-    works in bounded memory.
+    works in bounded memory. `matching` (with `all_dead`) keeps only the dead rows
+    that match that filter (the dashboard's "every dead row that matches"; its
+    `state` is ignored: only dead rows are requeued).
     """
     if (ids is None or len(ids) == 0) == (not all_dead):
         raise UsageError("requeue takes either ids or all_dead=True (not both)")
-    if error_class is not None:
+    if error_class is not None or matching is not None:
         if not all_dead:
-            raise UsageError("an error class selects among all dead rows: use it with all_dead")
+            raise UsageError(
+                "an error class or a filter selects among all dead rows: use it with all_dead"
+            )
+    if error_class is not None:
+        if matching is not None:
+            raise UsageError("give the error class in the filter")
         check_error_class(error_class)
     wanted = [check_message_id(i) for i in dict.fromkeys(ids or ())]
     params: dict[str, Any] = {
@@ -154,6 +142,10 @@ def requeue(
         if error_class is not None:
             params["cls"] = error_class
             statement = q.requeue_class()
+        elif matching is not None:
+            f = _dead_only(matching)
+            params.update(filter_params(f, info.id))
+            statement = q.requeue_matching(f.shape())
         elif all_dead:
             statement = q.requeue_all()
         else:
@@ -203,6 +195,8 @@ def purge(
     group: str,
     *,
     older_than: float | None = None,
+    ids: Sequence[int] | None = None,
+    matching: MessageFilter | None = None,
     reason: str,
     max_refunds: int = int(DEFAULTS["breaker_max_refunds"]),
     actor: str | None = None,
@@ -225,7 +219,15 @@ def purge(
     the delete and left alone; the audit row lists exactly the rows deleted.
     Why deleting a dead row is safe for the frontier and retention:
     `docs/decisions/0017-purge.md`. Raises `UsageError` for bad arguments.
+
+    `ids` and `matching` narrow it (the dashboard's selection and "every dead
+    row that matches", the filter's `state` ignored): only those dead rows; an
+    id that is not a dead row of the group is left out, as a row that changed
+    meanwhile is.
     """
+    if ids is not None and not ids:
+        raise UsageError("give the message ids to purge")
+    wanted = None if ids is None else [check_message_id(i) for i in dict.fromkeys(ids)]
     params: dict[str, Any] = {
         "reason": check_reason(reason, "purge"),
         "actor": actor or default_actor(),
@@ -241,15 +243,25 @@ def purge(
             row.state, int(row.epoch), row.reconcile_epoch, row.reconcile_from_epoch
         )
         params["pending_from"], params["pending_to"] = scope or (None, None)
-        if age is None:
+        if age is not None:
+            params["older_than"] = age
+        if wanted is not None or matching is not None:
+            f = _dead_only(matching or MessageFilter())
+            params.update(filter_params(f, params["gid"]), ids=wanted)
+            statement = q.purge_selected(age is not None, wanted is not None, f.shape())
+        elif age is None:
             statement = q.purge_dead()
         else:
-            params["older_than"] = age
             statement = q.purge_dead_older()
         audit_id, count, kept = conn.execute(statement, params).one()
     return PurgeResult(
         count=int(count), kept=int(kept), audit_id=None if audit_id is None else int(audit_id)
     )
+
+
+def _dead_only(f: MessageFilter) -> MessageFilter:
+    """Filter `f`, checked, for dead rows (what requeue and purge act on)."""
+    return check_filter(replace(f, state=RowState.DEAD.value))
 
 
 def message_row(engine: Engine, group: str, message_id: int) -> MessageRow | None:

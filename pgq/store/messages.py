@@ -18,23 +18,50 @@ from sqlalchemy import Connection, Engine
 from pgq.errors import UsageError
 from pgq.read_models import MessagePage, MessageSummary
 from pgq.records import MessageFilter, RowState
+from pgq.schema import ERROR_CLASSES
 from pgq.sql import admin as admin_sql
 from pgq.sql import messages as q
-from pgq.store.admin import check_error_class, check_message_id
 from pgq.store.inspect import snapshot
 from pgq.store.topics import group_info
 
 __all__ = [
+    "MAX_MESSAGE_ID",
     "MAX_PAGE",
     "MAX_PATH_DEPTH",
     "MAX_TEXT",
     "SCAN",
+    "check_error_class",
     "check_filter",
+    "check_message_id",
     "count_matching",
     "dead_filter",
     "filter_params",
     "find",
 ]
+
+MAX_MESSAGE_ID = 2**63 - 1
+"""The largest message id (`bigint`)."""
+
+
+def check_message_id(message_id: object) -> int:
+    """`message_id` if it is an int in `1..MAX_MESSAGE_ID`, else raise `UsageError`."""
+    if isinstance(message_id, bool) or not isinstance(message_id, int):
+        raise UsageError(f"invalid message id {message_id!r}: use a positive integer")
+    if not 1 <= message_id <= MAX_MESSAGE_ID:
+        raise UsageError(
+            f"invalid message id {message_id}: use a positive integer up to {MAX_MESSAGE_ID}"
+        )
+    return message_id
+
+
+def check_error_class(error_class: str) -> str:
+    """`error_class` if it is one of `systemic`, `message`, `permanent`, `lease`."""
+    if error_class not in ERROR_CLASSES:
+        raise UsageError(
+            f"invalid error class {error_class!r}: use one of {', '.join(ERROR_CLASSES)}"
+        )
+    return error_class
+
 
 MAX_PAGE = 500
 """The most rows one page holds."""
@@ -103,15 +130,15 @@ def filter_params(f: MessageFilter, gid: int) -> dict[str, Any]:
     """The bind parameters of filter `f` for group `gid` (`pgq.sql.messages`)."""
     return {
         "gid": gid,
-        "message_id": f.message_id,
-        "up_to": f.up_to,
-        "error_class": f.error_class,
-        "error": f.error,
-        "key": f.key,
-        "path": f.path(),
-        "value": f.value,
-        "published_from": f.published_from,
-        "published_to": f.published_to,
+        "f_message_id": f.message_id,
+        "f_up_to": f.up_to,
+        "f_error_class": f.error_class,
+        "f_error": f.error,
+        "f_key": f.key,
+        "f_path": f.path(),
+        "f_value": f.value,
+        "f_published_from": f.published_from,
+        "f_published_to": f.published_to,
     }
 
 

@@ -4,6 +4,7 @@ every filter, keyset pages both ways, and the bounded window of unindexed filter
 from __future__ import annotations
 
 import datetime as dt
+from dataclasses import replace
 
 import pytest
 from helpers import kill
@@ -138,3 +139,46 @@ def test_an_unknown_group_and_bad_pages(engine, rows):
             find(engine, "g", limit=limit)
     with pytest.raises(UsageError, match="invalid message id"):
         find(engine, "g", after=-1)
+
+
+def test_requeue_and_purge_of_what_a_filter_matches_are_audited_as_ever(engine, rows):
+    """Only dead rows that match (whatever the filter's state says), up to `up_to`;
+    one audit row each, written by the requeue and purge behind the CLI."""
+    from pgq import monitor
+    from pgq.store import admin
+
+    timeouts = MessageFilter(error="timeout", state="ready")  # the state is ignored
+    n, up_to = count_matching(engine, "g", replace(timeouts, state="dead"))
+    assert (n, up_to) == (5, rows[19])
+    capped = replace(timeouts, up_to=rows[15])
+    done = admin.requeue(
+        engine, "g", all_dead=True, matching=capped, reason="billing is back", actor="ann (web)"
+    )
+    assert done.count == 3  # rows[11], [13], [15]
+    assert ids_of(find(engine, "g", MessageFilter(state="dead", error="timeout"))) == [
+        rows[17],
+        rows[19],
+    ]
+    gone = admin.purge(engine, "g", ids=[rows[10], rows[12], rows[0]], reason="junk", actor="bo")
+    assert gone.count == 2  # rows[0] is not dead: left out
+    field = admin.purge(
+        engine, "g", matching=MessageFilter(field="customer.id", value="c2"), reason="c2 gone"
+    )
+    assert field.count == len([i for i in (14, 16, 17, 18, 19) if i % 3 == 2])
+    # filter values are never SET by the update (parameters named like columns would be)
+    one = admin.requeue(
+        engine, "g", all_dead=True, matching=MessageFilter(message_id=rows[19]), reason="one"
+    )
+    assert one.count == 1
+    [row] = find(engine, "g", MessageFilter(message_id=rows[19])).rows
+    assert (row.state, row.key) == ("ready", "k1")
+    assert len(find(engine, "g", limit=100).rows) == 30 - 2 - field.count
+    trail = [(a["action"], a["count"], a["reason"], a["actor"]) for a in monitor.audit(engine, "g")]
+    assert trail[2:] == [
+        ("purge", 2, "junk", "bo"),
+        ("requeue", 3, "billing is back", "ann (web)"),
+    ]
+    with pytest.raises(UsageError, match="use it with all_dead"):
+        admin.requeue(engine, "g", [rows[17]], matching=timeouts, reason="x")
+    with pytest.raises(UsageError, match="give the message ids"):
+        admin.purge(engine, "g", ids=[], reason="x")
