@@ -11,8 +11,10 @@ text. A page asked with `?live=1` answers only its live part, which
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
+from dataclasses import replace
 from typing import Any
 
 from flask import (
@@ -33,10 +35,14 @@ from pgq.cli.parse import parse_age, parse_ids, parse_message_id
 from pgq.cli.render import ago, message_lines, visible
 from pgq.errors import DatabaseUnavailable, PgqError, UnknownGroup, UsageError
 from pgq.metrics import exposition
+from pgq.read_models import iso
+from pgq.records import MessageFilter, RowState
 from pgq.schema import ERROR_CLASSES
 from pgq.store import admin as store_admin
+from pgq.store import lifecycle as store_lifecycle
 from pgq.web.charts import sparkline
 from pgq.web.guard import SESSION_COOKIE, Guard, Throttled, host_allowed, same_origin
+from pgq.web.query import PAGE_SIZES, filter_args, parse_filter, parse_position
 from pgq.web.views import Dashboard
 
 __all__ = ["create_app"]
@@ -70,6 +76,22 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:.3g} min"
 
 
+def _when(ts: dt.datetime | str | None, now: dt.datetime) -> Markup:
+    """`ts` relative to `now` (`3 min ago`), the absolute time on hover: a `<time>`
+    whose `title` and `datetime` are the UTC ISO 8601 text."""
+    if ts is None:
+        return Markup("–")
+    text = ts if isinstance(ts, str) else (iso(ts) or "")
+    return Markup('<time datetime="{0}" title="{0}">{1}</time>').format(visible(text), ago(ts, now))
+
+
+def _input_time(ts: dt.datetime | None) -> str:
+    """`ts` in UTC as an `<input type="datetime-local">` value ("" for None)."""
+    if ts is None:
+        return ""
+    return ts.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S")
+
+
 def _pretty(value: Any) -> Markup:
     """JSON indented for a `<pre>`: each line made visible and escaped."""
     text = json.dumps(value, indent=2, ensure_ascii=False, sort_keys=True)
@@ -86,11 +108,15 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
     app.jinja_env.finalize = _finalize
     app.jinja_env.globals.update(
         ago=ago,
+        when=_when,
+        input_time=_input_time,
         duration=_duration,
         sparkline=sparkline,
         admin=guard.admin,
         refresh_ms=int(dashboard.options.refresh * 1000),
         error_classes=ERROR_CLASSES,
+        row_states=tuple(s.value for s in RowState),
+        page_sizes=PAGE_SIZES,
         windows=WINDOWS,
         pretty=_pretty,
     )
@@ -165,17 +191,48 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
     @app.get("/groups/<name>")
     def group(name: str) -> Any:
         cls = request.args.get("class") or None
-        if cls is not None and cls not in ERROR_CLASSES:
-            abort(400, f"unknown error class (use one of {', '.join(ERROR_CLASSES)})")
+        if cls is not None:
+            # the dead list this filtered is the messages page now: old links go there
+            if cls not in ERROR_CLASSES:
+                abort(400, f"unknown error class (use one of {', '.join(ERROR_CLASSES)})")
+            where: dict[str, Any] = {"state": "dead", "class": cls}
+            return redirect(url_for("messages", name=name, **where), 303)
         window = WINDOWS.get(request.args.get("window", "auto"))
         if window is None and request.args.get("window", "auto") != "auto":
             abort(400, f"unknown window (use one of {', '.join(WINDOWS)})")
-        data = dashboard.group(name, cls, window)
+        data = dashboard.group(name, window)
         data["window"] = request.args.get("window", "auto")
         done = request.args.get("done", type=int)
         result = next((a for a in data["audit"] if a["id"] == done), None)
         kept = max(request.args.get("kept", 0, type=int) or 0, 0)
         return _page("group.html", name=name, data=data, result=result, kept=kept)
+
+    @app.get("/groups/<name>/messages")
+    def messages(name: str) -> Any:
+        """A group's messages by filter, a keyset page at a time (`pgq.web.query`)."""
+        f = parse_filter(request.args)
+        position = parse_position(request.args)
+        data = dashboard.messages(name, f, position)
+        args = {**filter_args(f), **position.args()}
+        return _page("messages.html", name=name, data=data, f=f, position=position, args=args)
+
+    @app.get("/topics")
+    def topics() -> Any:
+        """Every topic, as `pgq topics` prints it, with its groups."""
+        removed = request.args.get("removed") or None
+        done = request.args.get("done", type=int)
+        result = None
+        if removed is not None and done is not None:
+            # what was done is read back from the audit trail (a link cannot make the
+            # page say something that did not happen); a bad name is no result
+            try:
+                trail = dashboard.audit_of(removed)
+            except (UsageError, UnknownGroup):
+                trail = []
+            result = next(
+                (a for a in trail if a["id"] == done and a["action"] == "unsubscribe"), None
+            )
+        return _page("topics.html", data=dashboard.topics(), removed=removed, result=result)
 
     @app.get("/groups/<name>/messages/<message_id>")
     def message(name: str, message_id: str) -> Any:
@@ -242,17 +299,37 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             abort(400, "a reason is required")
         return reason
 
+    def _selected() -> list[int]:
+        """The ids a form names: `ids` fields (checkboxes), each also a list of ids
+        separated by spaces or commas (the typed field)."""
+        return parse_ids(" ".join(request.form.getlist("ids")).split())
+
+    def _matching() -> MessageFilter | None:
+        """The filter of an "every dead row that matches" form (`match=1`), its
+        `upto` required (the confirmation fixed it), else None."""
+        if request.form.get("match") != "1":
+            return None
+        f = parse_filter(request.form)
+        if f.up_to is None:
+            abort(400, "a change of every row that matches needs the confirmation's upto")
+        return f
+
     @app.post("/groups/<name>/requeue")
     def requeue(name: str) -> Any:
         actor = _actor()
         reason = _reason()
         cls = request.form.get("class") or None
-        if request.form.get("all") == "1":
+        matching = _matching()
+        if matching is not None:
+            result = store_admin.requeue(
+                dashboard.engine, name, all_dead=True, matching=matching, reason=reason, actor=actor
+            )
+        elif request.form.get("all") == "1":
             result = store_admin.requeue(
                 dashboard.engine, name, all_dead=True, error_class=cls, reason=reason, actor=actor
             )
         else:
-            ids = parse_ids(request.form.get("ids", "").split())
+            ids = _selected()
             if not ids:
                 abort(400, "give the message ids to requeue, or tick 'every dead row'")
             result = store_admin.requeue(dashboard.engine, name, ids, reason=reason, actor=actor)
@@ -263,10 +340,16 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
         actor = _actor()
         reason = _reason()
         older = request.form.get("older_than", "").strip()
+        ids = _selected() or None
+        matching = _matching()
+        if ids is not None and matching is not None:
+            abort(400, "purge either the rows selected or every row that matches")
         result = store_admin.purge(
             dashboard.engine,
             name,
             older_than=parse_age(older) if older else None,
+            ids=ids,
+            matching=matching,
             reason=reason,
             max_refunds=dashboard.options.max_refunds,
             actor=actor,
@@ -274,6 +357,59 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
         kept = f", kept {result.kept} pending reconciliation" if result.kept else ""
         text = f"purged {result.count}{kept}{_audited(result.audit_id)}"
         return _done(name, text, result.audit_id, kept=result.kept)
+
+    @app.post("/groups/<name>/messages/confirm")
+    def confirm(name: str) -> Any:
+        """What a bulk requeue or purge from the messages page would do, before it is
+        done: how many dead rows, and the form (a reason required) that does it.
+        Admin only, as the change itself: it names rows to change."""
+        _actor()
+        action = request.form.get("action")
+        if action not in ("requeue", "purge"):
+            abort(400, "choose requeue or purge")
+        f = parse_filter(request.form)
+        dead = replace(f, state=RowState.DEAD.value)
+        if request.form.get("scope") == "filter":
+            count, up_to = dashboard.count(name, dead)
+            return _page(
+                "confirm.html",
+                name=name,
+                action=action,
+                count=count,
+                ids=None,
+                match={**filter_args(dead), "upto": str(up_to)} if up_to else None,
+                back=filter_args(f),
+            )
+        ids = _selected()
+        if not ids:
+            abort(400, "tick the rows to change, or choose every row that matches")
+        return _page(
+            "confirm.html",
+            name=name,
+            action=action,
+            count=len(ids),
+            ids=" ".join(str(i) for i in ids),
+            match=None,
+            back=filter_args(f),
+        )
+
+    @app.post("/groups/<name>/unsubscribe")
+    def unsubscribe(name: str) -> Any:
+        """Remove the group and its rows, audited (`pgq unsubscribe`); refused while a
+        member is live unless forced."""
+        actor = _actor()
+        reason = _reason()
+        result = store_lifecycle.unsubscribe(
+            dashboard.engine,
+            name,
+            reason=reason,
+            force=request.form.get("force") == "1",
+            member_ttl=dashboard.options.member_ttl,
+            actor=actor,
+        )
+        if request.headers.get("Authorization", "").startswith("Bearer "):
+            return _page("done.html", name=None, text=f"removed group {name} ({result.count} rows)")
+        return redirect(url_for("topics", removed=name, done=result.audit_id), 303)
 
     def _audited(audit_id: int | None) -> str:
         """The audit row a change wrote, for its answer (none when it changed nothing)."""

@@ -1,8 +1,12 @@
-"""What each page shows, read through the functions the CLI uses (`pgq.monitor`).
+"""What each page shows, read through the functions the CLI uses (`pgq.monitor`,
+`pgq.store`).
 
 No statement of its own: the overview is `status_all` (plus the pending/real
 split of `check` for groups with dead rows), the group page `status`,
-`breaker_info`, `dead`, `check` with its dead split and `audit`, the message page `message`.
+`breaker_info`, `check` with its dead split and `audit`, the message page
+`message`, the messages page `pgq.store.messages.find` (a keyset page of a
+filter), a bulk action's confirmation `count_matching`, the topics page
+`pgq topics`'s `topics`.
 `Dashboard` also keeps the charts' `History`, fed by the sampler thread and
 by every overview it reads.
 
@@ -28,18 +32,20 @@ from sqlalchemy import Engine
 
 from pgq import monitor
 from pgq.errors import DatabaseUnavailable, PgqError
-from pgq.read_models import GroupStatus, StatusAll
-from pgq.records import BreakerState
+from pgq.read_models import GroupStatus, MessageSummary, StatusAll, Topics
+from pgq.records import BreakerState, MessageFilter
 from pgq.store import database_now
+from pgq.store import lifecycle as store_lifecycle
+from pgq.store import messages as store_messages
 from pgq.store.deadline import ReadDeadline
 from pgq.web.history import History, lag, throughput
+from pgq.web.query import Position
 from pgq.web.timeline import timeline
 
-__all__ = ["Dashboard", "WebOptions"]
+__all__ = ["Dashboard", "Listing", "WebOptions"]
 
 logger = logging.getLogger(__name__)
 
-DEAD_LIMIT = 200
 HISTORY_LIMIT = 50
 PROBE_LIMIT = 200
 AUDIT_LIMIT = 50
@@ -65,6 +71,44 @@ class WebOptions:
     chart_span: float = 3600.0
     group: str | None = None  # the group `/` opens on (`pgq demo --web`)
     read_timeout: float = 5.0  # a page whose reads take longer is a 503
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """One messages page as the page shows it: rows in the list's order, and where
+    the neighbouring pages start (`next`/`prev` of a message id, None at an end).
+    `searched_to`: a filter without an index looked through a bounded window that
+    ended at this id without filling the page (the next page searches on)."""
+
+    rows: tuple[MessageSummary, ...]
+    next: int | None
+    prev: int | None
+    searched_to: int | None
+    now: dt.datetime
+
+
+def listing(engine: Engine, group: str, f: MessageFilter, position: Position, scan: int) -> Listing:
+    """The page `position` asks for: a `prev` page is read backwards and turned round."""
+    after, before, descending, backwards = position.bounds()
+    page = store_messages.find(
+        engine,
+        group,
+        f,
+        after=after,
+        before=before,
+        descending=descending,
+        limit=position.limit,
+        scan=scan,
+    )
+    rows = page.rows
+    onward = page.last_id if page.more else None
+    if not backwards:
+        came = position.next
+        back = None if came is None else (rows[0].message_id if rows else came)
+        return Listing(rows, onward, back, page.searched_to, page.now)
+    rows = rows[::-1]
+    forth = rows[-1].message_id if rows else page.searched_to
+    return Listing(rows, forth, onward, page.searched_to, page.now)
 
 
 @dataclass
@@ -191,19 +235,14 @@ class Dashboard:
 
     # --- group, message ---------------------------------------------------------
 
-    def group(
-        self, name: str, error_class: str | None = None, window: float | None = None
-    ) -> dict[str, Any]:
-        return self._within(self._group, name, error_class, window)
+    def group(self, name: str, window: float | None = None) -> dict[str, Any]:
+        return self._within(self._group, name, window)
 
-    def _group(
-        self, engine: Engine, name: str, error_class: str | None, window: float | None
-    ) -> dict[str, Any]:
+    def _group(self, engine: Engine, name: str, window: float | None) -> dict[str, Any]:
         status = monitor.read_status(engine, name, member_ttl=self.options.member_ttl)
         info = monitor.breaker_info(
             engine, name, history_limit=HISTORY_LIMIT, probe_limit=PROBE_LIMIT
         )
-        dead = monitor.dead(engine, name, limit=DEAD_LIMIT, error_class=error_class)
         word, line, split = monitor.check_and_split(
             engine, name, self.options.max_refunds, member_ttl=self.options.member_ttl
         )
@@ -215,15 +254,44 @@ class Dashboard:
                 info, now=now, window=window, truncated=len(info["history"]) >= HISTORY_LIMIT
             ),
             "probe_limit": PROBE_LIMIT,
-            "dead": dead,
-            "dead_limit": DEAD_LIMIT,
             "dead_split": split,
-            "error_class": error_class,
             "check": {"state": word, "line": line},
             "oldest_ready": _span(status.oldest_ready_age_s),
             "audit": monitor.audit(engine, name, limit=AUDIT_LIMIT),
             "now": now,
         }
+
+    def messages(
+        self, group: str, f: MessageFilter, position: Position, scan: int = store_messages.SCAN
+    ) -> dict[str, Any]:
+        """The messages page: `group`'s status and one `Listing` of filter `f`."""
+        return self._within(self._messages, group, f, position, scan)
+
+    def _messages(
+        self, engine: Engine, group: str, f: MessageFilter, position: Position, scan: int
+    ) -> dict[str, Any]:
+        status = monitor.read_status(engine, group, member_ttl=self.options.member_ttl)
+        found = listing(engine, group, f, position, scan)
+        return {"status": status, "listing": found, "now": found.now}
+
+    def count(self, group: str, f: MessageFilter) -> tuple[int, int | None]:
+        """How many of `group`'s rows match `f`, and the highest id among them."""
+        return self._within(store_messages.count_matching, group, f)
+
+    def topics(self) -> dict[str, Any]:
+        """Every topic, as `pgq topics` lists it, and the database clock."""
+        return self._within(self._topics)
+
+    def _topics(self, engine: Engine) -> dict[str, Any]:
+        found: Topics = store_lifecycle.topics(engine)
+        return {"topics": found, "now": self._now(engine)}
+
+    def audit_of(self, group: str) -> list[dict[str, Any]]:
+        """The newest audit rows of `group`, also of one `unsubscribe` removed."""
+        return self._within(self._audit_of, group)
+
+    def _audit_of(self, engine: Engine, group: str) -> list[dict[str, Any]]:
+        return monitor.audit(engine, group, limit=AUDIT_LIMIT)
 
     def message(self, group: str, message_id: int) -> dict[str, Any]:
         return self._within(self._message, group, message_id)

@@ -437,7 +437,30 @@ def test_bad_message_ids_and_classes_are_client_errors(engine, dead, serve):
     assert get(server, "/groups/nope/messages/1").status == 404
     for cls in ("bogus", "SYSTEMIC", "%00"):
         assert get(server, f"/groups/g?class={cls}").status == 400, cls
-    assert get(server, "/groups/g?class=systemic").status == 200
+        assert get(server, f"/groups/g/messages?class={cls}").status == 400, cls
+    # the group page's dead list is the messages page now: its old links lead there
+    moved = get(server, "/groups/g?class=systemic")
+    assert moved.status == 303
+    assert moved.header("Location") == "/groups/g/messages?state=dead&class=systemic"
+    assert get(server, moved.header("Location")).status == 200
+    for query in (
+        "state=gone",
+        "id=-1",
+        "id=1e3",
+        "id=99999999999999999999",
+        "next=x",
+        "next=1&prev=2",
+        "order=up",
+        "limit=0",
+        "limit=501",
+        "from=yesterday",
+        "field=a..b&value=1",
+        "field=a",
+        "key=%00",
+    ):
+        answer = get(server, f"/groups/g/messages?{query}")
+        assert answer.status == 400, (query, answer.body)
+    assert get(server, "/groups/nope/messages").status == 404
 
 
 def test_requests_for_another_host_name_get_400(engine, dead, serve):
@@ -639,7 +662,22 @@ PAGES: list[tuple[str, str, int]] = [
     ("overview live", "/?live=1", 200),
     ("group", "/groups/g", 200),
     ("group live", "/groups/g?live=1", 200),
-    ("group dead of class message", "/groups/g?class=message", 200),
+    ("dead messages of class message", "/groups/g/messages?state=dead&class=message", 200),
+    ("every message", "/groups/g/messages?order=desc&limit=500", 200),
+    ("messages by hostile key", "/groups/g/messages?key={hostile}", 200),
+    ("messages by hostile error text", "/groups/g/messages?state=dead&error={hostile}", 200),
+    (
+        "messages by hostile payload field",
+        "/groups/g/messages?field={hostile}&value={hostile}",
+        200,
+    ),
+    ("messages by hostile payload value", "/groups/g/messages?field=text&value={hostile}", 200),
+    ("messages by hostile key, no match", "/groups/g/messages?key={hostile}x", 200),
+    ("error: hostile state", "/groups/g/messages?state={hostile}", 400),
+    ("error: hostile id", "/groups/g/messages?id={hostile}", 400),
+    ("error: hostile time", "/groups/g/messages?from={hostile}", 400),
+    ("topics", "/topics", 200),
+    ("topics after a removal", "/topics?removed={hostile}&done=1", 200),
     ("message", "/groups/g/messages/{message}", 200),
     ("message live", "/groups/g/messages/{message}?live=1", 200),
     ("dead message", "/groups/g/messages/{dead}", 200),
@@ -706,6 +744,17 @@ def test_hostile_text_shows_escaped_where_it_belongs(hostile):
     message = get(hostile.server, f"/groups/g/messages/{hostile.ids['message']}").body
     for piece in (script, "\\u001b[2J", "\\u202e"):
         assert piece in message, piece  # the payload, as JSON
+    listing = get(hostile.server, "/groups/g/messages?limit=500", Cookie=hostile.cookie).body
+    for piece in (script, img, "\\x1b[2J", "\\u202e", "\\x9b"):
+        assert piece in listing, piece  # the key, the payload's start, the error texts
+    mid = hostile.ids["message"]
+    for query in (f"key={_quoted(HOSTILE)}", f"field=text&value={_quoted(HOSTILE)}"):
+        found = get(hostile.server, f"/groups/g/messages?{query}").body
+        assert f'data-message="{mid}"' in found, query  # found by the raw text
+        assert found.count("data-message=") == 1, query
+        assert f'value="{script}{img}' in found, query  # the filter shown back, escaped
+    dead = get(hostile.server, "/groups/g/messages?state=dead&error=onerror").body
+    assert f'data-message="{hostile.ids["dead"]}"' in dead
     overview = get(hostile.server, "/").body
     assert "g2\\x1b[2J\\u202e" + script in overview
     assert "t2\\x1b]0;owned\\x07" in overview
@@ -930,7 +979,7 @@ def test_fifty_concurrent_browsers_while_a_consumer_runs(engine, dead, serve):
         "/?live=1",
         "/groups/g",
         "/groups/g?live=1",
-        "/groups/g?class=message",
+        "/groups/g/messages?state=dead&class=message",
         f"/groups/g/messages/{ids[0]}",
         "/api/groups",
         "/api/groups/g",
