@@ -326,6 +326,8 @@ class MessagePage:
     up, so the next page searches on from that id.
     """
 
+    group: str
+    topic: str
     rows: tuple[MessageSummary, ...]
     descending: bool
     more: bool
@@ -346,6 +348,8 @@ class MessagePage:
 
     def to_json(self) -> dict[str, Any]:
         return {
+            "group": self.group,
+            "topic": self.topic,
             "messages": [r.to_json() for r in self.rows],
             "order": "desc" if self.descending else "asc",
             "more": self.more,

@@ -108,15 +108,17 @@ statement only when given, never as `:x IS NULL OR ...`, which a prepared
 statement's generic plan could not use as an index bound."""
 
 
-def _bounds(shape: frozenset[str], descending: bool) -> list[ColumnElement[bool]]:
+def _bounds(
+    shape: frozenset[str], descending: bool, column: ColumnElement[Any] = d.c.message_id
+) -> list[ColumnElement[bool]]:
     where = []
     if "after" in shape:
-        where.append(d.c.message_id > bindparam("after", type_=BigInteger))
+        where.append(column > bindparam("after", type_=BigInteger))
     if "before" in shape:
-        where.append(d.c.message_id < bindparam("before", type_=BigInteger))
+        where.append(column < bindparam("before", type_=BigInteger))
     if "bound" in shape:
         bound = bindparam("bound", type_=BigInteger)
-        where.append(d.c.message_id >= bound if descending else d.c.message_id <= bound)
+        where.append(column >= bound if descending else column <= bound)
     return where
 
 
@@ -191,6 +193,10 @@ def page(shape: frozenset[str], descending: bool) -> Select[Any]:
             *delivery_matches(shape),
             *message_matches(shape),
             *_bounds(shape, descending),
+            # the same bounds on the message's id: without them the planner may
+            # merge-join the page with every message below the keyset (measured:
+            # 177 ms from id 900,000 of 1,000,000, against 2 ms for the first page)
+            *_bounds(shape, descending, m.c.id),
         )
         .order_by(_order(descending))
         .limit(bindparam("limit", type_=Integer))

@@ -66,7 +66,7 @@ def check_error_class(error_class: str) -> str:
 MAX_PAGE = 500
 """The most rows one page holds."""
 
-SCAN = 20_000
+SCAN = 100_000
 """Rows a page with an unindexed filter (key, payload field, error text, time)
 looks through at most before it answers (`pgq.sql.messages`)."""
 
@@ -176,7 +176,8 @@ def find(
     if before is not None:
         shape.add("before")
     with snapshot(engine) as conn:
-        params = filter_params(f, group_info(conn, group).id)
+        info = group_info(conn, group)
+        params = filter_params(f, info.id)
         params.update(after=after, before=before, limit=limit + 1, scan=scan)
         bound = None
         if shape & q.UNINDEXED and "message_id" not in shape:
@@ -191,6 +192,8 @@ def find(
     full = len(rows) > limit
     searched_to = bound if bound is not None and not full else None
     return MessagePage(
+        group=info.name,
+        topic=info.topic,
         rows=summaries,
         descending=descending,
         more=full or searched_to is not None,
