@@ -408,3 +408,204 @@ def test_a_dashboard_that_stops_answering_is_said_on_the_page(browser, engine, p
         proc.send_signal(signal.SIGINT)
         code, _, _ = finish(proc, 30)
     assert code == 0, log.read_text()
+
+
+# -- the job browser (issue 23) -------------------------------------------------------
+
+
+def listed(driver) -> list[int]:
+    """The message ids the messages page lists, in order."""
+    return driver.execute_script(
+        "return Array.from(document.querySelectorAll('#messages tr[data-message]'))"
+        ".map(function (e) { return Number(e.getAttribute('data-message')); })"
+    )
+
+
+def admin_login(driver, server, token: str) -> None:
+    driver.get(server.url + "login")
+    driver.find_element("css selector", 'input[name="token"]').send_keys(token)
+    driver.find_element("css selector", "form button").click()
+    wait_until(lambda: text_of(driver, "#mode") == "admin", 10, "the admin session")
+
+
+def test_searching_by_payload_field_and_by_error_text(browser, engine, tmp_path):
+    """The filters are typed into the form (keyboard only: Enter submits), land in the
+    URL, and the link shared opens the same page."""
+    from helpers import kill
+    from selenium.webdriver.common.keys import Keys
+
+    driver = browser
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    ids = pgq.publish_many(
+        engine, "t", [{"order": {"customer": f"c{i % 4}"}, "i": i} for i in range(40)]
+    )
+    kill(engine, ids[:10], "message", last_error="HTTP 502 from billing-api")
+    kill(engine, ids[10:20], "permanent", last_error="schema mismatch in field total")
+    server = dashboard_server(engine, port=0, options=WebOptions(refresh=0.5))
+    server.start()
+    try:
+        driver.get(server.url + "groups/g")
+        driver.find_element("css selector", "#dead-link").click()
+        wait_until(lambda: len(listed(driver)) == 20, 10, "the dead rows")
+        driver.get(server.url + "groups/g/messages")
+        driver.find_element("css selector", 'input[name="field"]').send_keys("order.customer")
+        value = driver.find_element("css selector", 'input[name="value"]')
+        value.send_keys("c3", Keys.ENTER)
+        wait_until(lambda: "field=order.customer" in driver.current_url, 10, "the search")
+        assert listed(driver) == [m for i, m in enumerate(ids) if i % 4 == 3]
+        shared = driver.current_url
+        shoot(driver, tmp_path, "messages-by-field")
+
+        driver.get(server.url + "groups/g/messages")
+        error = driver.find_element("css selector", 'input[name="error"]')
+        error.send_keys("502 FROM billing", Keys.ENTER)  # any case
+        wait_until(lambda: "error=502" in driver.current_url, 10, "the search")
+        assert listed(driver) == ids[:10]
+        texts = driver.find_elements("css selector", "#messages td.error-text")
+        assert {e.text for e in texts} == {"HTTP 502 from billing-api"}
+        # each time shows how long ago, the absolute time on hover
+        stamp = driver.find_element("css selector", "#messages time")
+        assert stamp.text.endswith("ago") and stamp.get_attribute("title").endswith("+00:00")
+
+        driver.get(shared)  # the link again: the same rows
+        assert listed(driver) == [m for i, m in enumerate(ids) if i % 4 == 3]
+        assert driver.find_element("css selector", 'input[name="value"]').get_attribute(
+            "value"
+        ) == ("c3")
+        assert console(driver) == []
+    finally:
+        server.close()
+
+
+def test_paging_through_ten_thousand_dead_rows(browser, engine):
+    """Next to the end and back again: every row once, in order, both ways."""
+    from helpers import kill
+
+    driver = browser
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    ids = pgq.publish_many(engine, "t", [{"i": i} for i in range(10_000)])
+    kill(engine, ids, "message")
+    server = dashboard_server(engine, port=0)
+    server.start()
+    try:
+        driver.get(server.url + "groups/g/messages?state=dead&limit=500")
+        seen = listed(driver)
+        while driver.find_elements("css selector", "#next"):
+            before = seen[-1]
+            driver.find_element("css selector", "#next").click()
+            wait_until(lambda b=before: listed(driver) and listed(driver)[0] > b, 10, "a page")
+            seen += listed(driver)
+        assert seen == ids
+        back: list[int] = []
+        page = listed(driver)
+        while driver.find_elements("css selector", "#prev"):
+            back = page + back
+            first = page[0]
+            driver.find_element("css selector", "#prev").click()
+            wait_until(lambda f=first: listed(driver) and listed(driver)[-1] < f, 10, "a page")
+            page = listed(driver)
+        assert page + back == ids
+        # newest first, from a shared link
+        driver.get(server.url + "groups/g/messages?state=dead&order=desc&limit=25")
+        assert listed(driver) == ids[::-1][:25]
+        assert console(driver) == []
+    finally:
+        server.close()
+
+
+def test_a_bulk_requeue_of_a_filter_is_audited_with_the_users_name(browser, engine, tmp_path):
+    """Log in as alice, filter the dead rows by error text, requeue every match: the
+    confirmation says how many, the reason is required, the audit row names alice."""
+    from helpers import kill
+
+    driver = browser
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    ids = pgq.publish_many(engine, "t", [{"i": i} for i in range(30)])
+    kill(engine, ids[:12], "systemic", last_error="ConnectionError: billing down")
+    kill(engine, ids[12:20], "message", last_error="ValueError: bad total")
+    token = "alice-browser-3f9d1c7e5b2a8046"
+    server = dashboard_server(engine, port=0, users={"alice": token})
+    server.start()
+    try:
+        admin_login(driver, server, token)
+        driver.get(server.url + "groups/g/messages?state=dead&error=billing+down&limit=5")
+        assert len(listed(driver)) == 5  # one page of the 12: the filter covers them all
+        driver.find_element("css selector", "#scope-filter").click()
+        driver.find_element("css selector", "#bulk-requeue").click()
+        wait_until(lambda: text_of(driver, "#count"), 10, "the confirmation")
+        assert text_of(driver, "#count").startswith("12 dead rows match this filter now")
+        shoot(driver, tmp_path, "confirm")
+        driver.find_element("css selector", "#confirm").click()  # no reason: refused
+        assert driver.find_elements("css selector", "#confirm-form")  # still here
+        assert monitor.audit(engine, "g") == []
+        reason = driver.find_element("css selector", 'input[name="reason"]')
+        reason.send_keys("billing is back")
+        driver.find_element("css selector", "#confirm").click()
+        result = wait_until(lambda: text_of(driver, "#result"), 10, "the requeue's answer")
+        assert result.startswith("requeued 12 (audit "), result
+        [row] = monitor.audit(engine, "g")
+        assert (row["action"], row["count"], row["message_ids"]) == ("requeue", 12, ids[:12])
+        assert (row["actor"], row["reason"]) == ("alice (pgq web)", "billing is back")
+        assert monitor.status(engine, "g")["counts"]["dead"] == 8
+        assert text_of(driver, f'#audit tr[data-audit="{row["id"]}"]') is not None
+        assert console(driver) == []
+    finally:
+        server.close()
+
+
+def test_dark_mode_phone_width_and_the_keyboard(browser, engine, tmp_path):
+    """The pages follow the system's dark scheme, fit a 380 px screen without the
+    page scrolling sideways (wide tables scroll in their box), and the keyboard
+    reaches the content first (the skip link) with a visible focus."""
+    from helpers import kill
+    from selenium.webdriver.common.keys import Keys
+
+    driver = browser
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    ids = pgq.publish_many(engine, "t", [{"i": i, "long": "x" * 300} for i in range(30)])
+    kill(engine, ids[:5], "message", last_error="a long error text " * 10)
+    server = dashboard_server(engine, port=0)
+    server.start()
+    pages = ["?all=1", "groups/g", "groups/g/messages", f"groups/g/messages/{ids[0]}", "topics"]
+    try:
+        background = "return getComputedStyle(document.body).backgroundColor"
+        driver.get(server.url + "topics")
+        light = driver.execute_script(background)
+        driver.execute_cdp_cmd(
+            "Emulation.setEmulatedMedia",
+            {"features": [{"name": "prefers-color-scheme", "value": "dark"}]},
+        )
+        driver.get(server.url + "topics")
+        dark = driver.execute_script(background)
+        assert light != dark, (light, dark)
+        shoot(driver, tmp_path, "messages-dark")
+        driver.set_window_size(380, 800)
+        inner = "return [document.documentElement.scrollWidth, window.innerWidth]"
+        for page in pages:
+            driver.get(server.url + page)
+            width, viewport = driver.execute_script(inner)
+            assert width <= viewport, (page, width, viewport)
+        driver.get(server.url + "groups/g/messages")
+        shoot(driver, tmp_path, "messages-phone")
+        body = driver.find_element("css selector", "body")
+        body.send_keys(Keys.TAB)
+        focused = driver.switch_to.active_element
+        assert focused.text == "skip to content" and focused.is_displayed()
+        focused.send_keys(Keys.ENTER)
+        for _ in range(40):  # tab on to the first filter field
+            driver.switch_to.active_element.send_keys(Keys.TAB)
+            if driver.switch_to.active_element.get_attribute("name") == "id":
+                break
+        active = driver.switch_to.active_element
+        assert active.get_attribute("name") == "id"
+        outline = driver.execute_script(
+            "return getComputedStyle(document.activeElement).outlineStyle"
+        )
+        assert outline != "none"
+        assert console(driver) == []
+    finally:
+        server.close()
