@@ -170,3 +170,21 @@ def test_unsubscribe_is_refused_while_a_member_is_live_unless_forced(engine, dea
         forced = post(server, "/groups/g/unsubscribe", {"reason": "now", "force": "1"}, **bearer)
         assert forced.status == 200 and "removed group g" in forced.body
     assert [a["action"] for a in monitor.audit(engine, "g")] == ["unsubscribe"]
+
+
+def test_the_new_pages_keep_the_headers_and_the_host_check(engine, dead, serve):
+    """Framing, CSP, nosniff and the DNS-rebinding Host check hold on every new route."""
+    server = serve(token=TOKEN)
+    for path in ("/groups/g/messages?state=dead", "/topics"):
+        page = get(server, path)
+        assert page.status == 200, path
+        assert page.header("X-Frame-Options") == "DENY"
+        assert "frame-ancestors 'none'" in page.header("Content-Security-Policy")
+        assert "script-src 'self'" in page.header("Content-Security-Policy")
+        assert page.header("X-Content-Type-Options") == "nosniff"
+        assert get(server, path, Host="evil.example").status == 400
+    for path in ("/groups/g/messages/confirm", "/groups/g/unsubscribe"):
+        form = {"reason": "x", "action": "requeue", "scope": "filter"}
+        bearer = {"Authorization": f"Bearer {TOKEN}", "Host": "evil.example"}
+        assert post(server, path, form, **bearer).status == 400
+    assert monitor.audit(engine, "g") == []

@@ -319,3 +319,59 @@ def test_connections_are_closed_when_idle_or_slow_and_sooner_when_crowded():
     assert not overdue(1e9, busy=True, waited=10) and overdue(0, busy=True, waited=10.01)
     assert not overdue(0, busy=True, waited=2, open_connections=75)
     assert overdue(0, busy=True, waited=2.01, open_connections=75)
+
+
+# -- the messages page's URL (pgq.web.query) -------------------------------------------
+
+
+def test_a_filter_goes_to_the_url_and_back_unchanged():
+    from pgq.records import MessageFilter
+    from pgq.web.query import filter_args, parse_filter
+
+    f = MessageFilter(
+        message_id=7,
+        key="k 1",
+        state="dead",
+        error_class="systemic",
+        error="502",
+        field="a.b",
+        value="x=y&z",
+        published_from=dt.datetime(2026, 1, 31, 14, 5, tzinfo=dt.timezone.utc),
+        published_to=dt.datetime(2026, 2, 1, tzinfo=dt.timezone(dt.timedelta(hours=2))),
+        up_to=99,
+    )
+    assert parse_filter(filter_args(f)) == f
+    assert parse_filter({"id": "", "key": "", "state": ""}) == MessageFilter()
+    # a datetime-local value has no offset: it is UTC
+    naive = parse_filter({"from": "2026-01-31T14:05"}).published_from
+    assert naive == dt.datetime(2026, 1, 31, 14, 5, tzinfo=dt.timezone.utc)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [{"id": "1e3"}, {"id": "-1"}, {"upto": "x"}, {"from": "yesterday"}, {"to": "2026-13-01"}],
+)
+def test_bad_filter_arguments_are_usage_errors(args):
+    from pgq.errors import UsageError
+    from pgq.web.query import parse_filter
+
+    with pytest.raises(UsageError):
+        parse_filter(args)
+
+
+def test_positions_read_prev_pages_backwards():
+    from pgq.errors import UsageError
+    from pgq.web.query import Position, parse_position
+
+    assert parse_position({}) == Position()
+    assert Position(next=10).bounds() == (10, None, False, False)
+    assert Position(prev=10).bounds() == (None, 10, True, True)
+    assert Position(descending=True, next=10).bounds() == (None, 10, True, False)
+    assert Position(descending=True, prev=10).bounds() == (10, None, False, True)
+    assert parse_position({"order": "desc", "limit": "500"}).args() == {
+        "order": "desc",
+        "limit": "500",
+    }
+    for bad in ({"order": "up"}, {"limit": "0"}, {"limit": "501"}, {"next": "1", "prev": "2"}):
+        with pytest.raises(UsageError):
+            parse_position(bad)
