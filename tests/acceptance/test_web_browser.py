@@ -6,7 +6,8 @@ browser. Three real `pgq consume` members share a dependency that is down while
 a flag file exists (tests/outage_handlers.py). The page is loaded once per
 state change the test waits for; a marker set in the page proves no reload
 happened. Screenshots of each state are saved in the test's directory (and in
-`$PGQ_WEB_SCREENSHOTS` when set: that is how the README's picture is made).
+`$PGQ_WEB_SCREENSHOTS` when set; the README's pictures come from
+scripts/screenshots.py).
 """
 
 from __future__ import annotations
