@@ -26,10 +26,11 @@ from pgq.consumer.numbers import GroupNumbers, Numbers
 from pgq.consumer.pool import ClaimPool
 from pgq.consumer.runtime import Runtime
 from pgq.consumer.timing import Timings
+from pgq.consumer.transactions import Transactions
 from pgq.errors import DatabaseUnavailable, DuplicateMember, UsageError
 from pgq.logcontext import get_logger, log_fields
 from pgq.names import check_member_name, check_name
-from pgq.records import BreakerView, GroupInfo, Message, RunSummary, StopReason
+from pgq.records import BreakerView, GroupInfo, RunSummary, StopReason
 from pgq.settings import ADAPTIVE, Settings, load_settings
 from pgq.store import (
     GroupStore,
@@ -93,17 +94,23 @@ class Consumer:
     arguments (`workers=8`, `lease=30`, `breaker_quorum=0.5`, ...; see
     `pgq.settings.Settings`) over an optional TOML `config` file; the library
     reads no environment variables (the CLI does, when it builds `Settings`).
+
+    `transactional=True`: `handler(msg, conn)` runs in a transaction on a
+    connection of `engine`'s pool, and its writes commit with the message's `done`
+    outcome, fenced by the lease (`pgq.consumer.transactions`): size that pool for
+    `workers` connections, besides the member's own three.
     """
 
     def __init__(
         self,
         engine: Engine,
         group: str,
-        handler: Callable[[Message], Any],
+        handler: Callable[..., Any],
         workers: int | None = None,
         name: str | None = None,
         classify: Callable[[BaseException], Any] | None = None,
         *,
+        transactional: bool = False,
         settings: Settings | None = None,
         config: str | os.PathLike[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -114,6 +121,7 @@ class Consumer:
         self.name = check_member_name(name or default_member_name())
         self.settings = build_settings(settings, config, {"workers": workers, **overrides})
         self.handling = Handling(handler, make_classifier(classify), self.settings)
+        self.transactions = Transactions(engine, self.handling) if transactional else None
         self.clock = clock
         self._gate: Gate | None = None
         self._runtime: Runtime | None = None
@@ -222,6 +230,7 @@ class Consumer:
             settings=s,
             store=store,
             handling=self.handling,
+            transactions=self.transactions,
             topic_id=info.topic_id,
             pool=ClaimPool(s.effective_prefetch),
             until_empty=until_empty,

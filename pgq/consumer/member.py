@@ -10,6 +10,7 @@ from pgq.consumer.handling import Handling
 from pgq.consumer.numbers import GroupNumbers
 from pgq.consumer.pool import ClaimPool
 from pgq.consumer.timing import Histogram, Timings
+from pgq.consumer.transactions import Transactions
 from pgq.errors import BadDsn, PermissionDenied, PgqError, SchemaMissing
 from pgq.logcontext import get_logger, log_fields
 from pgq.records import Claimed, Lease, Outcome, OutcomeKind, StopReason
@@ -80,6 +81,9 @@ class Member:
     drained_waiting: int | None = None
     """Rows waiting for a retry when the drain found the group empty: what the run
     leaves for a later run (counted then: some come due before the final pass)."""
+    transactions: Transactions | None = None
+    """With `Consumer(..., transactional=True)`: runs the handler in a transaction
+    that commits its writes with the message's outcome (`pgq.consumer.transactions`)."""
     timings: Timings | None = None
     """The latency histograms, while metrics are served (`Consumer.measure()`); None
     otherwise, and then nothing is timed."""

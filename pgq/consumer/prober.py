@@ -24,6 +24,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from sqlalchemy import Connection
 
@@ -32,6 +33,7 @@ from pgq.consumer.acker import write_outcomes
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
 from pgq.consumer.timing import HANDLER
+from pgq.consumer.transactions import Ended
 from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.logcontext import carrying, get_logger
 from pgq.records import (
@@ -44,6 +46,8 @@ from pgq.records import (
     OutcomeKind,
 )
 from pgq.store import LostLock, RoleConnection, probe_lock
+
+T = TypeVar("T")
 
 logger = get_logger("pgq.breaker")
 
@@ -252,50 +256,83 @@ class Prober(Role):
 
         A success closes the group at `epoch` in the same transaction, if this
         prober still holds its lock; else it only writes the row and frees the
-        probe slot, so the member that holds the lock now probes at once.
+        probe slot, so the member that holds the lock now probes at once. With
+        transactional handlers that transaction is the handler's own.
         """
         m, s = self.member, self.member.settings
         row = self.conn.run(m.store.claim_probe, epoch, s.breaker_max_refunds, s.breaker_member_ttl)
         if row is None:
             return None
         m.hold([row])
-        lost: LostLock | None = None
+        lost: list[LostLock] = []
+        closes: list[int | None] = []
+
+        def succeed(conn: Connection) -> bool:
+            """The probe's success: closes the group at `epoch` if the lock holds."""
+            try:
+                self.lock.check()
+            except LostLock as exc:
+                lost.append(exc)
+                return m.store.probe_done(conn, row)[0]
+            written, closed = m.store.probe_succeeded(conn, row, epoch)
+            closes.append(closed)
+            return written
+
         try:
-            outcome = self._attempt(row, epoch)
-            if outcome.kind == OutcomeKind.DONE:
-                try:
-                    self.lock.check()
-                except LostLock as exc:
-                    lost = exc
-                if lost is None:
-                    closes: list[int | None] = []
-
-                    def succeed(conn: Connection) -> bool:
-                        written, closed = m.store.probe_succeeded(conn, row, epoch)
-                        closes.append(closed)
-                        return written
-
-                    written = self._write(outcome, succeed)
-                    if closes[-1] is not None:
-                        self.gate.see_group(BreakerState.CLOSED, closes[-1], by="probe")
-                else:
-                    # it succeeded but may not close: free the slot for the member that
-                    # holds the lock now, and log the probe as it went
-                    written = self._write(outcome, lambda conn: m.store.probe_done(conn, row)[0])
-                    self.conn.retrying(m.store.probe_again, epoch, 0.0, "succeeded", row.id)
-            else:
-                written = self._write(
-                    outcome, lambda conn: m.store.record_probe(conn, outcome, s.max_attempts)
-                )
+            outcome, written = self._run_probe(row, epoch, succeed)
+            if closes and closes[-1] is not None:
+                self.gate.see_group(BreakerState.CLOSED, closes[-1], by="probe")
+            if lost and outcome.kind == OutcomeKind.DONE:
+                # it succeeded but may not close: free the slot for the member that
+                # holds the lock now, and log the probe as it went
+                self.conn.retrying(m.store.probe_again, epoch, 0.0, "succeeded", row.id)
         finally:
             m.let_go([row.lease])
         m.count_outcome(outcome, pending=False)
         if not written:
             logger.warning("probe outcome refused id=%d (lease lost)", row.id)
             m.count_refused(outcome)
-        if lost is not None:
-            raise lost
+        if lost:
+            raise lost[0]
         return outcome
+
+    def _run_probe(
+        self, row: Claimed, epoch: int, succeed: Callable[[Connection], bool]
+    ) -> tuple[Outcome, bool]:
+        """The handler on the probe row and its outcome written: (outcome, written).
+        A success is written by `succeed`: after the handler, on the prober's
+        connection, or with transactional handlers in the handler's transaction."""
+        m, s = self.member, self.member.settings
+        transactions = m.transactions
+        if transactions is None:
+            outcome = self._attempt(row, lambda proceed: m.handling.run(row), epoch)
+            if outcome is None:
+                outcome = self._timed_out(row)
+            if outcome.kind == OutcomeKind.DONE:
+                return outcome, self._write(outcome, succeed)
+        else:
+            attempt = self._attempt(
+                row, lambda proceed: transactions.run(row, succeed, proceed), epoch
+            )
+            if attempt is None or attempt.ended == Ended.ABANDONED:
+                outcome = self._timed_out(row)
+            elif attempt.ended == Ended.COMMITTED:
+                return attempt.outcome, True
+            elif attempt.ended == Ended.REFUSED:
+                return attempt.outcome, False
+            elif attempt.ended == Ended.UNKNOWN:
+                settled = self.conn.retrying(m.store.settled, [attempt.outcome])
+                return attempt.outcome, row.lease in settled
+            else:
+                outcome = attempt.outcome
+        return outcome, self._write(
+            outcome, lambda conn: m.store.record_probe(conn, outcome, s.max_attempts)
+        )
+
+    def _timed_out(self, row: Claimed) -> Outcome:
+        timeout = self.member.settings.handler_timeout
+        exc = TimeoutError(f"probe ran longer than handler_timeout ({timeout:g}s)")
+        return self.member.handling.failure(row, exc)
 
     def _write(self, outcome: Outcome, write: Callable[[Connection], bool]) -> bool:
         """Whether `write(conn)`, a store call that returns True when it wrote the
@@ -311,8 +348,13 @@ class Prober(Role):
 
         return lease in write_outcomes(self.conn, self.member.store, once, [outcome])
 
-    def _attempt(self, row: Claimed, epoch: int) -> Outcome:
-        """The handler on the probe row, bounded by `handler_timeout`.
+    def _attempt(
+        self, row: Claimed, work: Callable[[Callable[[], bool]], T], epoch: int
+    ) -> T | None:
+        """`work(proceed)` (the handler on the probe row) on a thread of its own,
+        bounded by `handler_timeout`; its result, or None when it ran out of time.
+        `proceed()` is what work that would commit asks first: True unless the
+        time is up, and once it said True, the attempt is waited for to its end.
 
         While it runs (possibly longer than `breaker.member_ttl`) the lock's session
         is kept busy and the probe slot stays reserved (`RENEW_SHARE`). A lock lost
@@ -321,11 +363,19 @@ class Prober(Role):
         waits for it.
         """
         m = self.member
-        handling, timeout = m.handling, m.settings.handler_timeout
-        ttl = m.settings.breaker_member_ttl
-        result: list[Outcome] = []
+        timeout, ttl = m.settings.handler_timeout, m.settings.breaker_member_ttl
+        result: list[T] = []
+        decided = threading.Lock()
+        fate: list[str] = []  # "commit" (work goes on to its end) or "late"
+
+        def proceed() -> bool:
+            with decided:
+                if not fate:
+                    fate.append("commit")
+                return fate[0] == "commit"
+
         runner = threading.Thread(
-            target=carrying(lambda: result.append(handling.run(row))),
+            target=carrying(lambda: result.append(work(proceed))),
             name=PROBE_THREAD,
             daemon=True,
         )
@@ -336,6 +386,12 @@ class Prober(Role):
         while runner.is_alive():
             left = deadline - self.clock()
             if left <= 0:
+                with decided:
+                    if not fate:
+                        fate.append("late")
+                if fate[0] == "late":
+                    break
+                runner.join()  # it is committing: its outcome is the probe's
                 break
             runner.join(min(left, self.lock.keep_every, ttl * RENEW_SHARE))
             if not runner.is_alive():
@@ -350,10 +406,7 @@ class Prober(Role):
                 renewed = self.clock()
         if self.probe_time is not None:  # a probe abandoned at its timeout included
             self.probe_time.observe(self.clock() - started)
-        if result:
-            return result[0]
-        exc = TimeoutError(f"probe ran longer than handler_timeout ({timeout:g}s)")
-        return handling.failure(row, exc)
+        return result[0] if result else None
 
     def _renew(self, row: Claimed, epoch: int, renewed: float) -> bool:
         """Renew the probe slot (last renewed at `renewed`); False once it is lost for

@@ -14,16 +14,23 @@ import threading
 import time
 from collections.abc import Callable
 
+from sqlalchemy import Connection
+
 from pgq.consumer.acker import Acker
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
 from pgq.consumer.timing import HANDLER
+from pgq.consumer.transactions import Ended, Transactions
+from pgq.errors import PgqError
 from pgq.logcontext import get_logger
-from pgq.records import Claimed, Outcome
+from pgq.records import Claimed, Outcome, OutcomeKind
+from pgq.store import RoleConnection
 
 logger = get_logger("pgq.consumer")
 
 Clock = Callable[[], float]
+
+DONE = OutcomeKind.DONE
 
 IDLE_WAIT = 5.0
 """Seconds an idle worker sleeps between checks (few wake-ups when idle)."""
@@ -65,15 +72,70 @@ class Worker(Role):
         started = self.clock()
         with self._lock:
             self.current = (row, started)
+        transactions = self.member.transactions
+        if transactions is not None:
+            self._execute_in_transaction(row, started, transactions)
+            return
         outcome = self.member.handling.run(row)
+        if self._claim_attempt(row):
+            self._finished(started)
+            report(self.member, self.gate, self.acker, outcome)
+
+    def _claim_attempt(self, row: Claimed) -> bool:
+        """Take the running attempt back from the watchdog: False (and logged) when it
+        was abandoned meanwhile (timed out: its outcome is already reported)."""
         with self._lock:
             abandoned, self.current = self.current is None, None
         if abandoned:  # the watchdog timed it (once): the attempt it finished
             logger.warning("late outcome discarded id=%d (handler timed out)", row.id)
-            return
+        return not abandoned
+
+    def _finished(self, started: float) -> None:
         if self.handler_time is not None:
             self.handler_time.observe(self.clock() - started)
-        report(self.member, self.gate, self.acker, outcome)
+
+    def _execute_in_transaction(
+        self, row: Claimed, started: float, transactions: Transactions
+    ) -> None:
+        """A transactional handler: its success commits with the handler's writes
+        here; a failure goes to the acker as any handler's."""
+        m = self.member
+        done = Outcome(row, DONE)
+
+        def write(conn: Connection) -> bool:
+            return row.lease in m.store.record(conn, [done])
+
+        attempt = transactions.run(row, write, lambda: self._claim_attempt(row))
+        if attempt.ended == Ended.ABANDONED:
+            return
+        if attempt.ended == Ended.FAILED:
+            if self._claim_attempt(row):
+                self._finished(started)
+                report(m, self.gate, self.acker, attempt.outcome)
+            return
+        self._finished(started)
+        written = attempt.ended == Ended.COMMITTED
+        if attempt.ended == Ended.UNKNOWN:
+            written = self._settled(done)
+        self.gate.observe(done)
+        m.count_outcome(done, pending=False)
+        m.let_go([row.lease])
+        if not written:
+            logger.warning("outcome refused id=%d reason=lease lost (rolled back)", row.id)
+            m.count_refused(done)
+
+    def _settled(self, done: Outcome) -> bool:
+        """Whether a commit whose answer was lost happened: the row tells (gone or
+        done under this lease). Unknown for good (the database stays away): not
+        counted done; the lease then expires and the message runs again if the
+        commit did not happen."""
+        m = self.member
+        conn = RoleConnection(m.links.work, "worker", m.halt)
+        try:
+            return done.claimed.lease in conn.retrying(m.store.settled, [done])
+        except PgqError as exc:
+            logger.warning("commit of id=%d unknown error=%s", done.claimed.id, exc)
+            return False
 
     def abandon_if_overdue(self, now: float, timeout: float) -> tuple[Outcome, float] | None:
         """If the running handler is past `timeout`, abandon it; return its outcome and
