@@ -99,9 +99,22 @@ message = Table(
     # the publishing transaction (`pgq show` places a message without a row against
     # the frontier by it; the frontier itself reads `delivery.xid`)
     Column("xid", XID8(), nullable=False, server_default=text("pg_current_xact_id()")),
+    # idempotent publish (schema version 7): while a message of the topic with this
+    # key is retained, publishing the key again inserts nothing (decision 0040)
+    Column("dedupe_key", Text),
     postgresql_with={"autovacuum_vacuum_scale_factor": "0.02"},
 )
 Index("message_topic_id_idx", message.c.topic_id, message.c.id)
+# idempotent publish: one retained message per (topic, dedupe key); the topic first,
+# so that on Citus (`message` distributed by topic) the index is valid and a lookup
+# is routed to one shard. Partial: a message without a key costs no index entry.
+dedupe_index = Index(
+    "message_dedupe_key_idx",
+    message.c.topic_id,
+    message.c.dedupe_key,
+    unique=True,
+    postgresql_where=message.c.dedupe_key.is_not(None),
+)
 
 consumer_group = Table(
     "consumer_group",

@@ -62,6 +62,27 @@ def add_group_start(qualified: str) -> TextClause:
     )
 
 
+def add_dedupe_key(qualified: str) -> TextClause:
+    """Schema version 7: the message's dedupe key (`qualified`: the message table,
+    quoted and schema-qualified); NULL for the messages that exist. Adding a nullable
+    column without a default rewrites nothing: the lock it takes is held for no scan."""
+    return text(f"ALTER TABLE {qualified} ADD COLUMN dedupe_key text")
+
+
+def index_valid() -> Executable:
+    """Whether index `:index` (a qualified name) is valid: no row when there is no
+    such index, false for one a failed `CREATE INDEX CONCURRENTLY` left behind."""
+    return text(
+        "SELECT indisvalid FROM pg_catalog.pg_index"
+        " WHERE indexrelid = pg_catalog.to_regclass(:index)"
+    )
+
+
+def drop_index(qualified: str) -> TextClause:
+    """Drop index `qualified` (quoted and schema-qualified)."""
+    return text(f"DROP INDEX {qualified}")
+
+
 def role_default(qualified: str) -> TextClause:
     """Schema version 5: an audit row's role is the inserting session's `current_user`
     (`qualified`: the audit table, quoted and schema-qualified)."""

@@ -103,6 +103,30 @@ def _v6_group_start(conn: Connection) -> None:
         conn.execute(upgrade.add_group_start(_qualified(conn, t.consumer_group)))
 
 
+def _v7_dedupe_key(conn: Connection) -> None:
+    # Idempotent publish (decision 0040): a nullable key on the message and a partial
+    # unique index of (topic, key). The index is built here, in the migration's
+    # transaction: its lock holds publishing and retention (not claims or acks) for
+    # one scan of `message`, with nothing to sort (every key is NULL). An operator
+    # who cannot hold publishing that long builds it beforehand, CONCURRENTLY, under
+    # the same name (docs/operations.md); a valid one is kept, an invalid one (a
+    # concurrent build that failed) is built again. A fresh install already has
+    # both from version 1 (the tables as declared).
+    params = {"schema": schema_of(conn), "table": t.message.name}
+    if "dedupe_key" not in set(conn.execute(upgrade.columns_of(), params).scalars()):
+        conn.execute(upgrade.add_dedupe_key(_qualified(conn, t.message)))
+    index = _qualified_name(conn, str(t.dedupe_index.name))
+    valid = conn.execute(upgrade.index_valid(), {"index": index}).scalar()
+    if valid is True:
+        return
+    if valid is False:
+        logger.warning(
+            "migration rebuilds an invalid index schema=%s index=%s", schema_of(conn), index
+        )
+        conn.execute(upgrade.drop_index(index))
+    t.dedupe_index.create(conn)
+
+
 def _granted(conn: Connection, statements: list[str]) -> None:
     for statement in statements:
         logger.info("migration granted schema=%s statement=%s", schema_of(conn), statement)
@@ -110,8 +134,13 @@ def _granted(conn: Connection, statements: list[str]) -> None:
 
 def _qualified(conn: Connection, table: Table) -> str:
     """`table`'s schema-qualified name in `conn`'s schema, quoted."""
+    return _qualified_name(conn, table.name)
+
+
+def _qualified_name(conn: Connection, name: str) -> str:
+    """Relation `name`'s schema-qualified name in `conn`'s schema, quoted."""
     prep = conn.dialect.identifier_preparer
-    return f"{prep.quote_schema(schema_of(conn))}.{prep.quote(table.name)}"
+    return f"{prep.quote_schema(schema_of(conn))}.{prep.quote(name)}"
 
 
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection], None]], ...] = (
@@ -121,6 +150,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection], None]], ...] = (
     (4, "group state apart from the group, delivery xid from its insert", _v4_group_state),
     (5, "audit rows name their role, group and topic", _v5_audit_names),
     (6, "a group records where it started", _v6_group_start),
+    (7, "messages carry a dedupe key, unique per topic", _v7_dedupe_key),
 )
 LATEST = MIGRATIONS[-1][0]
 
