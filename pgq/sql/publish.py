@@ -4,8 +4,20 @@ from __future__ import annotations
 
 from functools import cache
 
-from sqlalchemy import Integer, Interval, Text, any_, bindparam, cast, func, insert, select, true
-from sqlalchemy.dialects.postgresql import JSONB, aggregate_order_by
+from sqlalchemy import (
+    Integer,
+    Interval,
+    Text,
+    any_,
+    bindparam,
+    case,
+    cast,
+    func,
+    insert,
+    select,
+    true,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.sql import Executable
 
@@ -147,6 +159,33 @@ def publish_batch() -> Executable:
     which on Citus is the coordinator's), and notifies `:channel`. Returns one
     row: the new ids in order (NULL when the topic does not exist).
     """
+    return _publish(deduped=False)
+
+
+@cache
+def publish_batch_deduped() -> Executable:
+    """`publish_batch` with a dedupe key per payload: `:dedupe_keys`, a JSON array as
+    long as `:payloads` (null: no key), whose keys are distinct (the caller folds
+    repeats of a key into its first position).
+
+    A payload whose key a message of the topic already has (retained, or
+    inserted by a transaction that commits while this waits for it) is not
+    inserted, and gets no delivery rows: `ON CONFLICT DO NOTHING` on
+    `message_dedupe_key_idx`. Returns one row: the ids inserted in order, their
+    keys in the same order (null for a payload without one), and the topic's id
+    (for `dedupe_lookup`); ids NULL when nothing was inserted, all NULL when the
+    topic does not exist.
+
+    The id of a message that was there already cannot come from this statement:
+    a conflicting message committed while it waited is not in its snapshot (READ
+    COMMITTED). `dedupe_lookup`, a later statement, reads it. A separate statement
+    from `publish_batch` so that a publish without keys sends exactly what it
+    sent before schema version 7 (decision 0040).
+    """
+    return _publish(deduped=True)
+
+
+def _publish(*, deduped: bool) -> Executable:
     tp, m, g, d = t.topic, t.message, t.consumer_group, t.delivery
     topic_row = select(tp.c.id).where(tp.c.name == bindparam("topic")).cte("topic_row")
     src = (
@@ -154,22 +193,37 @@ def publish_batch() -> Executable:
         .table_valued("value", with_ordinality="ord")
         .render_derived()
     )
-    new_messages = (
-        insert(m)
-        .from_select(
-            ["topic_id", "key", "payload", "headers"],
-            select(
-                topic_row.c.id,
-                bindparam("key", type_=Text),
-                src.c.value,
-                cast(bindparam("headers", type_=Text), JSONB),
-            )
-            .select_from(topic_row.join(src, true()))
-            .order_by(src.c.ord),
+    columns = ["topic_id", "key", "payload", "headers"]
+    values = [
+        topic_row.c.id,
+        bindparam("key", type_=Text),
+        src.c.value,
+        cast(bindparam("headers", type_=Text), JSONB),
+    ]
+    source = topic_row.join(src, true())
+    if deduped:
+        keys = (
+            func.jsonb_array_elements_text(cast(bindparam("dedupe_keys", type_=Text), JSONB))
+            .table_valued("value", with_ordinality="ord")
+            .render_derived(name="dedupe")
         )
-        .returning(m.c.id)
-        .cte("new_messages")
-    )
+        columns.append("dedupe_key")
+        values.append(keys.c.value)
+        source = source.join(keys, keys.c.ord == src.c.ord)
+    rows = select(*values).select_from(source).order_by(src.c.ord)
+    if deduped:
+        new_messages = (
+            pg_insert(m)
+            .from_select(columns, rows)
+            .on_conflict_do_nothing(
+                index_elements=[m.c.topic_id, m.c.dedupe_key],
+                index_where=m.c.dedupe_key.is_not(None),
+            )
+            .returning(m.c.id, m.c.dedupe_key)
+            .cte("new_messages")
+        )
+    else:
+        new_messages = insert(m).from_select(columns, rows).returning(m.c.id).cte("new_messages")
     deliveries = insert(d).from_select(
         ["group_id", "message_id", "available_at"],
         select(
@@ -180,13 +234,45 @@ def publish_batch() -> Executable:
         .select_from(new_messages.join(g, true()))
         .where(g.c.topic_id == select(topic_row.c.id).scalar_subquery()),
     )
-    return (
+    ids = func.array_agg(aggregate_order_by(new_messages.c.id, new_messages.c.id)).label("ids")
+    notified = func.pg_notify(bindparam("channel"), bindparam("topic")).label("notified")
+    if not deduped:
+        return select(ids, notified).select_from(new_messages).add_cte(deliveries.cte("deliveries"))
+    # from the topic row, so that the row comes (with the topic's id) when nothing
+    # was inserted; the notification only when something was
+    agg = (
         select(
-            func.array_agg(aggregate_order_by(new_messages.c.id, new_messages.c.id)).label("ids"),
-            func.pg_notify(bindparam("channel"), bindparam("topic")).label("notified"),
+            ids,
+            func.array_agg(aggregate_order_by(new_messages.c.dedupe_key, new_messages.c.id)).label(
+                "dedupe_keys"
+            ),
         )
         .select_from(new_messages)
+        .subquery("agg")
+    )
+    return (
+        select(
+            agg.c.ids,
+            agg.c.dedupe_keys,
+            topic_row.c.id.label("topic_id"),
+            case((agg.c.ids.is_not(None), notified)).label("notified"),
+        )
+        .select_from(topic_row.join(agg, true()))
         .add_cte(deliveries.cte("deliveries"))
+    )
+
+
+@cache
+def dedupe_lookup() -> Executable:
+    """The ids of the messages of topic `:topic_id` whose dedupe keys are among
+    `:keys`: (dedupe_key, id) rows. A statement of its own, after
+    `publish_batch_deduped`, so that its snapshot sees the messages that
+    statement waited for (on Citus one task, the topic's shard)."""
+    m = t.message
+    return select(m.c.dedupe_key, m.c.id).where(
+        m.c.topic_id == bindparam("topic_id", type_=Integer),
+        m.c.dedupe_key == any_(bindparam("keys", type_=ARRAY(Text))),
+        m.c.dedupe_key.is_not(None),
     )
 
 

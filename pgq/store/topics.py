@@ -6,13 +6,21 @@ import contextlib
 import datetime as dt
 import json
 import logging
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import psycopg
 from sqlalchemy import Connection, Engine
+from sqlalchemy.sql import Executable
 
-from pgq.errors import InvalidPayload, PermissionDenied, UnknownGroup, UnknownTopic, UsageError
+from pgq.errors import (
+    InvalidPayload,
+    PermissionDenied,
+    TransactionConflict,
+    UnknownGroup,
+    UnknownTopic,
+    UsageError,
+)
 from pgq.names import check_name
 from pgq.records import GroupInfo
 from pgq.sql import publish as q
@@ -113,13 +121,26 @@ def publish_many(
     key: str | None = None,
     headers: Mapping[str, Any] | None = None,
     delay: float | None = None,
+    dedupe_keys: Sequence[str | None] | None = None,
 ) -> list[int]:
-    """Publish every payload to `topic` in one statement; return the new ids in order.
+    """Publish every payload to `topic` in one statement; return the ids in order.
 
     `target` is an `Engine` (own transaction, committed here) or a `Connection`
     (written inside the caller's transaction: invisible until the caller
     commits, gone on rollback). `key`, `headers` and `delay` (seconds before
     the messages become claimable) apply to every message of the batch.
+
+    `dedupe_keys` (as many as payloads; None for a payload without one) makes
+    publishing idempotent: while a message of the topic with the same dedupe key
+    is retained, its payload is not inserted and its position gets that
+    message's id (the new payload, key, headers and delay are dropped, not
+    compared). Publishers of one key at once, in transactions that commit in any
+    order, end with one message: the second waits for the first's transaction,
+    and gets its id if it commits, or inserts if it rolls back. Repeats of a key
+    within one call are one message. Once retention has deleted the message, the
+    key publishes a new one. Under REPEATABLE READ or SERIALIZABLE a key that
+    another transaction published after the caller's snapshot raises
+    `TransactionConflict` (retry the transaction). Decision 0040.
 
     Inside the caller's transaction, every group subscribed before this call
     gets its rows under READ COMMITTED (PostgreSQL's default). Under REPEATABLE
@@ -128,6 +149,7 @@ def publish_many(
     """
     check_name("topic", topic)
     batch = payloads if isinstance(payloads, list) else list(payloads)
+    keys = _dedupe_keys(dedupe_keys, len(batch))
     if not batch:
         return []
     if delay is not None and delay < 0:
@@ -136,7 +158,6 @@ def publish_many(
         _check_key(key)
     params = {
         "topic": topic,
-        "payloads": to_json(batch),
         "key": key,
         "headers": to_json(dict(headers)) if headers is not None else None,
         "delay": dt.timedelta(seconds=delay or 0.0),
@@ -144,7 +165,12 @@ def publish_many(
     }
     try:
         with wrap_errors(), _transaction(target) as conn:
-            ids = _locked_publish(conn, params)
+            if keys is None:
+                params["payloads"] = to_json(batch)
+                row = _locked_publish(conn, q.publish_batch(), params)
+                ids = None if row is None or row[0] is None else list(row[0])
+            else:
+                ids = _deduped_publish(conn, params, batch, keys)
     except PermissionDenied:
         if isinstance(target, Engine):  # a caller's transaction is aborted: nothing to ask
             with wrap_errors(), target.connect() as conn:
@@ -177,15 +203,106 @@ def _check_key(key: object) -> None:
     """A key is text PostgreSQL can store: UTF-8 without NUL (`InvalidPayload` else)."""
     if not isinstance(key, str):
         raise InvalidPayload(f"key must be a string, not {type(key).__name__}")
+    _check_text("key", key)
+
+
+def _check_text(what: str, value: str) -> None:
     try:
-        key.encode("utf-8")
+        value.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidPayload("key is not valid text (a lone surrogate)") from None
-    if "\x00" in key:
-        raise InvalidPayload("key cannot contain a NUL character")
+        raise InvalidPayload(f"{what} is not valid text (a lone surrogate)") from None
+    if "\x00" in value:
+        raise InvalidPayload(f"{what} cannot contain a NUL character")
 
 
-def _locked_publish(conn: Connection, params: dict[str, Any]) -> list[int] | None:
+def _dedupe_keys(keys: Sequence[str | None] | None, n: int) -> list[str | None] | None:
+    """`dedupe_keys` checked: as many as payloads, each None or a valid key; None when
+    no payload has one (such a batch is published as one without keys)."""
+    if keys is None:
+        return None
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+        raise UsageError(
+            f"dedupe_keys must be a list with one key (or None) per payload,"
+            f" not {type(keys).__name__}"
+        )
+    listed = list(keys)
+    if len(listed) != n:
+        raise UsageError(f"dedupe_keys has {len(listed)} entries for {n} payloads")
+    for k in listed:
+        if k is not None:
+            check_dedupe_key(k)
+    return listed if any(k is not None for k in listed) else None
+
+
+def check_dedupe_key(key: object) -> str:
+    """A dedupe key is 1-`DEDUPE_KEY_MAX` characters of text PostgreSQL can store
+    (`InvalidPayload` else): one index entry must hold it."""
+    if not isinstance(key, str):
+        raise InvalidPayload(f"dedupe key must be a string, not {type(key).__name__}")
+    if not 0 < len(key) <= DEDUPE_KEY_MAX:
+        raise InvalidPayload(f"dedupe key must be 1-{DEDUPE_KEY_MAX} characters, not {len(key)}")
+    _check_text("dedupe key", key)
+    return key
+
+
+DEDUPE_KEY_MAX = 512
+"""The longest dedupe key, in characters (at most 2 KiB of UTF-8: a B-tree entry
+holds some 2.7 KiB)."""
+
+_DEDUPE_ROUNDS = 5
+"""How often a publish inserts again a key whose message retention deleted between
+its insert and its lookup (one more round each time: in practice never)."""
+
+
+def _deduped_publish(
+    conn: Connection, params: dict[str, Any], batch: list[Any], keys: list[str | None]
+) -> list[int] | None:
+    """Publish `batch` with its dedupe `keys` (`q.publish_batch_deduped`); the id of
+    each position, or None when the topic does not exist.
+
+    A key repeated in the batch is sent once, at its first position. A key that
+    was not inserted belongs to a message that exists: `q.dedupe_lookup`, a later
+    statement, reads its id (its snapshot sees what the insert waited for). A key
+    found in neither (retention deleted its message in between) is sent again.
+    """
+    first: dict[str, int] = {}
+    pending = [i for i, k in enumerate(keys) if k is None or first.setdefault(k, i) == i]
+    found: dict[str, int] = {}
+    plain: list[int] = []  # the ids of the payloads without a key, in order
+    topic_id = None
+    for _ in range(_DEDUPE_ROUNDS):
+        sent = {
+            **params,
+            "payloads": to_json([batch[i] for i in pending]),
+            "dedupe_keys": to_json([keys[i] for i in pending]),
+        }
+        row = _locked_publish(conn, q.publish_batch_deduped(), sent)
+        if row is None:
+            return None
+        ids, inserted_keys, topic_id = row[0] or [], row[1] or [], row[2]
+        for mid, k in zip(ids, inserted_keys, strict=True):
+            if k is None:
+                plain.append(mid)
+            else:
+                found[k] = mid
+        missing = [k for i in pending if (k := keys[i]) is not None and k not in found]
+        if missing:
+            lookup = conn.execute(q.dedupe_lookup(), {"topic_id": topic_id, "keys": missing})
+            found.update({k: int(mid) for k, mid in lookup})
+        pending = [i for i in pending if (k := keys[i]) is not None and k not in found]
+        if not pending:
+            break
+    else:
+        raise TransactionConflict(
+            f"dedupe keys published and deleted again {_DEDUPE_ROUNDS} times: try again"
+        )
+    plain_ids = iter(plain)
+    return [next(plain_ids) if k is None else found[k] for k in keys]
+
+
+def _locked_publish(
+    conn: Connection, statement: Executable, params: dict[str, Any]
+) -> tuple[Any, ...] | None:
     """Lock the topic, then publish: two statements, sent together.
 
     Two statements because the insert must take its snapshot after the topic
@@ -194,7 +311,8 @@ def _locked_publish(conn: Connection, params: dict[str, Any]) -> list[int] | Non
     `pgq.sql.locks.topic_key` says); sent together because
     psycopg's pipeline writes both before it reads a result, so publishing
     costs the round trips it cost as one statement (measured with a protocol
-    trace: BEGIN, the pair, COMMIT). Runs in the connection's transaction.
+    trace: BEGIN, the pair, COMMIT). Runs in the connection's transaction;
+    returns `statement`'s one row (None without one).
     """
     if placement.distributed(conn):
         lock_sql, lock_defaults = driver_sql(conn, topic_lock(shared=True))
@@ -202,7 +320,7 @@ def _locked_publish(conn: Connection, params: dict[str, Any]) -> list[int] | Non
     else:
         lock_sql, lock_defaults = driver_sql(conn, q.lock_topic_for_publish())
         lock_params = {**lock_defaults, "topic": params["topic"]}
-    sql, defaults = driver_sql(conn, q.publish_batch())
+    sql, defaults = driver_sql(conn, statement)
     if not conn.in_transaction():
         conn.begin()  # what SQLAlchemy's autobegin would do: the caller's commit() ends it
     driver = conn.connection.driver_connection
@@ -212,7 +330,7 @@ def _locked_publish(conn: Connection, params: dict[str, Any]) -> list[int] | Non
             lock.execute(lock_sql, lock_params)
             cur.execute(sql, {**defaults, **params})
         row = cur.fetchone()  # after the pipeline's sync: both results are in
-    return None if row is None or row[0] is None else list(row[0])
+    return None if row is None else tuple(row)
 
 
 def publish(
@@ -223,6 +341,15 @@ def publish(
     key: str | None = None,
     headers: Mapping[str, Any] | None = None,
     delay: float | None = None,
+    dedupe_key: str | None = None,
 ) -> int:
-    """Publish one message to `topic`; return its id. See `publish_many`."""
-    return publish_many(target, topic, [payload], key=key, headers=headers, delay=delay)[0]
+    """Publish one message to `topic`; return its id. See `publish_many`.
+
+    With `dedupe_key`: while a message of the topic with that key is retained
+    (not yet deleted by retention), publishing again inserts nothing and returns
+    that message's id; after retention deleted it, the key publishes a new one.
+    """
+    keys = None if dedupe_key is None else [dedupe_key]
+    return publish_many(
+        target, topic, [payload], key=key, headers=headers, delay=delay, dedupe_keys=keys
+    )[0]
