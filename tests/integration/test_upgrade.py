@@ -3,15 +3,16 @@
 `tests/fixtures/schemas/v<N>.sql` is the schema each earlier version created as
 released (`fixtures.released`). For each, the test restores it, leaves the rows
 an outage leaves behind in it (ready, leased by a member that died, waiting for
-a retry, dead of the outage, dead for real), upgrades it with today's `pgq init`
-while the group's breaker is OPEN, and drains it with one cron-style run, whose
-probe closes the group and is logged (schema version 3).
+a retry, dead of the outage, dead for real, finished but not yet pruned), upgrades
+it with today's `pgq init` while the group's breaker is OPEN, and drains it with
+one cron-style run, whose probe closes the group and is logged (schema version 3).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import psycopg
 import pytest
 from fixtures.released import RELEASED, restore
 from helpers import FAST
@@ -108,8 +109,8 @@ def test_init_upgrades_a_database_in_use_and_it_drains(released: Engine, schema:
         f"{names[0]}) SELECT id, 'purge', '[{pruned[0]}]', 1, 'before', 'ops@old'{names[1]}"
         f' FROM "{schema}".consumer_group',
     )
-    ids = publish_as_released(released, schema, 40)
-    ready, leased, retrying, outage, poison = (ids[i : i + 8] for i in range(0, 40, 8))
+    ids = publish_as_released(released, schema, 48)
+    ready, leased, retrying, outage, poison, finished = (ids[i : i + 8] for i in range(0, 48, 8))
     # what an earlier version left: a member died holding leases; retries waiting (a
     # message failure, and a snooze after a systemic failure, which version 1 kept
     # systemic); an outage (epoch 1, still OPEN) killed rows; real dead letters
@@ -152,6 +153,14 @@ def test_init_upgrades_a_database_in_use_and_it_drains(released: Engine, schema:
         ids=poison,
     )
 
+    # finished rows not yet pruned (every version marks some done: version 6 keeps a
+    # batch's last one for the frontier)
+    sql(
+        released,
+        f"UPDATE {s} SET state = 'done', attempts = 1 WHERE message_id = ANY(:ids)",
+        ids=finished,
+    )
+
     assert pgq.migrate(released) == LATEST
     assert pgq.migrate(released) == LATEST  # idempotent
     with released.connect() as conn:
@@ -162,7 +171,7 @@ def test_init_upgrades_a_database_in_use_and_it_drains(released: Engine, schema:
     # version 4: the frontier and the totals moved to group_state, as they were
     before = pgq.status(released, "g")
     assert before["committed"] == pruned[-1]
-    assert before["counts"]["done"] == 2
+    assert before["counts"]["done"] == 2 + len(finished)
     assert before["totals"] == {"reclaimed": 5, "released": 7, "refunded": 11}
     state, line = monitor.check(released, "g")
     assert (state, line.split(";")[0]) == ("CRITICAL", "CRITICAL: 8 dead rows (8 message)")
@@ -189,7 +198,7 @@ def test_init_upgrades_a_database_in_use_and_it_drains(released: Engine, schema:
     assert status["breaker"]["state"] == "CLOSED"
     assert status["counts"]["dead"] == len(poison)
     assert status["counts"]["ready"] == status["counts"]["leased"] == 0
-    assert status["counts"]["done"] == len(pruned) + 32
+    assert status["counts"]["done"] == len(pruned) + 32 + len(finished)
     attempts = dict(handled)
     assert sorted(attempts) == sorted(ready + leased + retrying + outage)
     assert all(attempts[i] == 1 for i in ready + leased + outage + retrying[4:])
@@ -203,6 +212,13 @@ def test_init_upgrades_a_database_in_use_and_it_drains(released: Engine, schema:
     [probe] = monitor.breaker_info(released, "g")["probes"]
     assert (probe["epoch"], probe["outcome"], probe["member"]) == (1, "succeeded", consumer.name)
     assert probe["message_id"] in ids
+    # version 7: the messages published before have no dedupe key; a key publishes
+    # once, and runs once
+    first = pgq.publish(released, "t", {"after": "upgrade"}, dedupe_key="once")
+    assert pgq.publish(released, "t", {"again": True}, dedupe_key="once") == first
+    again = pgq.Consumer(released, "g", lambda m: handled.append((m.id, m.attempt)), **FAST)
+    assert again.run(until_empty=True).done == 1
+    assert handled[-1] == (first, 1)
     # the upgraded group can be removed, and its trail, old rows too, still read
     pgq.unsubscribe(released, "g", reason="after the upgrade")
     trail = monitor.audit(released, "g")
@@ -338,3 +354,57 @@ def test_leases_taken_with_the_global_token_are_acked_after_the_upgrade(
     status = pgq.status(engine, "g")
     assert status["counts"]["done"] == 3, status["counts"]
     assert status["counts"]["ready"] == status["counts"]["leased"] == 0
+
+
+def dedupe_index(engine: Engine, schema: str) -> tuple[int, bool] | None:
+    """(oid, valid) of the schema's dedupe index, None without one."""
+    with engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT indexrelid::bigint, indisvalid FROM pg_index"
+                " WHERE indexrelid = to_regclass(:name)"
+            ),
+            {"name": f'"{schema}".message_dedupe_key_idx'},
+        ).first()
+    return None if row is None else (int(row[0]), bool(row[1]))
+
+
+@pytest.mark.parametrize("left", ["valid", "invalid"])
+def test_a_dedupe_index_built_concurrently_beforehand_is_kept_or_built_again(
+    pg_dsn: str, schema: str, left: str
+):
+    """Version 7's index, built by an operator with `CREATE INDEX CONCURRENTLY` before
+    `pgq init` (docs/operations.md: publishing is not held), is kept as it is; one
+    such build that failed leaves an invalid index, which `pgq init` builds again."""
+    restore(pg_dsn, schema, 6)
+    s = f'"{schema}"'
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"INSERT INTO {s}.topic (name) VALUES ('t')")
+        conn.execute(f"ALTER TABLE {s}.message ADD COLUMN dedupe_key text")
+        rows = 2 if left == "invalid" else 1  # a duplicate makes the build fail
+        conn.execute(
+            f"INSERT INTO {s}.message (topic_id, payload, dedupe_key)"
+            f" SELECT id, '{{}}', 'k' FROM {s}.topic, generate_series(1, {rows})"
+        )
+        build = (
+            f"CREATE UNIQUE INDEX CONCURRENTLY message_dedupe_key_idx ON {s}.message"
+            " (topic_id, dedupe_key) WHERE dedupe_key IS NOT NULL"
+        )
+        if left == "invalid":
+            with pytest.raises(psycopg.errors.UniqueViolation):
+                conn.execute(build)
+            conn.execute(f"DELETE FROM {s}.message WHERE id = (SELECT max(id) FROM {s}.message)")
+        else:
+            conn.execute(build)
+    engine = pgq.connect(pg_dsn, schema=schema)
+    try:
+        before = dedupe_index(engine, schema)
+        assert before is not None and before[1] == (left == "valid")
+        assert pgq.migrate(engine) == LATEST
+        after = dedupe_index(engine, schema)
+        assert after is not None and after[1]
+        assert (after[0] == before[0]) == (left == "valid")  # kept, or built again
+        [kept] = pgq.publish_many(engine, "t", [{}], dedupe_keys=["k"])
+        assert kept == 1
+    finally:
+        engine.dispose()
