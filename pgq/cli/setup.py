@@ -16,10 +16,11 @@ from typing import Any
 import click
 
 from pgq.cli.base import PgqGroup, State, pass_state
-from pgq.errors import InvalidPayload
+from pgq.errors import InvalidPayload, UsageError
 from pgq.names import check_name
 from pgq.store import create_topic, migrate, publish_many, schema_of
 from pgq.store import subscribe as subscribe_group
+from pgq.store.topics import check_dedupe_key
 
 __all__ = ["init", "parse_json", "parse_json_lines", "publish", "subscribe", "topic"]
 
@@ -112,14 +113,24 @@ def subscribe(state: State, group: str, topic: str, start: str) -> None:
 @click.argument("topic")
 @click.argument("payload", metavar="[JSON]", required=False)
 @click.option("--key", help="label carried with every message")
+@click.option(
+    "--dedupe-key",
+    help="publish once: while a message of the topic with this key is retained,"
+    " print its id and insert nothing (one message only)",
+)
 @pass_state
-def publish(state: State, topic: str, payload: str | None, key: str | None) -> None:
+def publish(
+    state: State, topic: str, payload: str | None, key: str | None, dedupe_key: str | None
+) -> None:
     """Publish one JSON message, or JSON lines from stdin (JSON `-` or absent).
 
     All of stdin is one transaction: one bad line and nothing is published.
-    Prints the new ids, one per line.
+    Prints the new ids, one per line (with `--dedupe-key`, the id of the message
+    already there, if one is).
     """
     check_name("topic", topic)
+    if dedupe_key is not None:
+        check_dedupe_key(dedupe_key)
     if payload is None or payload == "-":
         payloads = parse_json_lines(sys.stdin.buffer)
     else:
@@ -127,5 +138,12 @@ def publish(state: State, topic: str, payload: str | None, key: str | None) -> N
             payloads = [parse_json(payload)]
         except ValueError as exc:
             raise InvalidPayload(f"invalid JSON: {exc}") from None
-    for mid in publish_many(state.engine, topic, payloads, key=key):
+    keys = None
+    if dedupe_key is not None:
+        if len(payloads) != 1:
+            raise UsageError(
+                f"--dedupe-key publishes one message: got {len(payloads)} payloads on stdin"
+            )
+        keys = [dedupe_key]
+    for mid in publish_many(state.engine, topic, payloads, key=key, dedupe_keys=keys):
         click.echo(str(mid))
