@@ -554,7 +554,7 @@ def _decoded(text: str | None, what: str = "message") -> tuple[Any, str | None]:
 def message(engine: Engine, group: str, message_id: int) -> dict[str, Any]:
     """`pgq show GROUP ID --json`: message `message_id` of `group` in full.
 
-    `{"group", "topic", "message_id", "key", "payload", "headers", "created_at",
+    `{"group", "topic", "message_id", "key", "dedupe_key", "payload", "headers", "created_at",
     "state", "attempts", "reclaims", "refundable_attempts",
     "refundable_reclaims", "refunds", "error_class", "error", "error_epoch",
     "lease_owner", "lease_expires_at", "available_at", "updated_at",
@@ -599,6 +599,7 @@ def message(engine: Engine, group: str, message_id: int) -> dict[str, Any]:
         "topic": row.topic,
         "message_id": row.id,
         "key": row.key,
+        "dedupe_key": row.dedupe_key,
         "payload": payload,
         "headers": headers,
         "created_at": iso(row.created_at),

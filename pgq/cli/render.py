@@ -327,6 +327,7 @@ def message_lines(m: dict[str, Any]) -> list[str]:
         ("state", state),
         ("behind frontier", m["behind_frontier"]),
         ("key", m["key"]),
+        ("dedupe_key", m["dedupe_key"]),
         ("created_at", m["created_at"]),
         ("available_at", m["available_at"]),
         ("updated_at", m["updated_at"]),

@@ -369,10 +369,11 @@ def purge_selected(older: bool, only_ids: bool, matching: frozenset[str]) -> Exe
 
 @cache
 def message_of_topic() -> Select[Any]:
-    """Message `:mid` if it is of topic `:topic_id`: its fields and its publishing
-    transaction's xid. Payload and headers come as JSON text (the caller decodes
-    them: a payload nested deeper than Python's decoder must not fail the read).
-    The first read of `pgq show`; on Citus routed to the topic's shard."""
+    """Message `:mid` if it is of topic `:topic_id`: its fields (the dedupe key too,
+    schema version 7) and, last, its publishing transaction's xid. Payload and
+    headers come as JSON text (the caller decodes them: a payload nested deeper
+    than Python's decoder must not fail the read). The first read of `pgq show`;
+    on Citus routed to the topic's shard."""
     m = t.message
     return (
         select(
@@ -382,6 +383,7 @@ def message_of_topic() -> Select[Any]:
             cast(m.c.payload, Text).label("payload"),
             cast(m.c.headers, Text).label("headers"),
             m.c.created_at,
+            m.c.dedupe_key,
             m.c.xid,
         )
         .select_from(m.join(t.topic, t.topic.c.id == m.c.topic_id))

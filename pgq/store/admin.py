@@ -299,6 +299,7 @@ class MessageRow(NamedTuple):
     payload: str
     headers: str | None
     created_at: dt.datetime
+    dedupe_key: str | None
     has_row: bool
     state: str | None
     attempts: int | None

@@ -94,7 +94,7 @@ def test_show_prints_one_message_in_full(orders, pgq_env):
     [mid, _] = pgq.publish_many(orders, "orders", [{"n": 1}, {"n": 2}])
     with orders.begin() as conn:
         conn.execute(update(t.message).where(t.message.c.id == mid).values(key="k1",
-                     headers={"h": 1}))  # fmt: skip
+                     headers={"h": 1}, dedupe_key="order-1"))  # fmt: skip
     expires = db_now(orders) + dt.timedelta(minutes=5)
     set_rows(orders, [mid], state="leased", attempts=2, reclaims=1, refundable_attempts=1,
              refundable_reclaims=1, refunds=1, error_class="systemic", last_error="boom",
@@ -102,6 +102,7 @@ def test_show_prints_one_message_in_full(orders, pgq_env):
     info = monitor.message(orders, GROUP, mid)
     assert info["message_id"] == mid and (info["group"], info["topic"]) == (GROUP, "orders")
     assert (info["payload"], info["headers"], info["key"]) == ({"n": 1}, {"h": 1}, "k1")
+    assert info["dedupe_key"] == "order-1"
     assert info["state"] == "leased" and info["row"] == "present"
     assert (info["attempts"], info["reclaims"], info["refunds"]) == (2, 1, 1)
     assert (info["refundable_attempts"], info["refundable_reclaims"]) == (1, 1)
@@ -119,17 +120,20 @@ def test_show_prints_one_message_in_full(orders, pgq_env):
     assert fields["lease"] == f"host:1:ab until {info['lease_expires_at']}"
     assert fields["refundable"] == "attempts 1, reclaims 1"
     assert fields["payload"] == '{"n": 1}' and fields["headers"] == '{"h": 1}'
+    assert fields["key"] == "k1" and fields["dedupe_key"] == "order-1"
 
 
 def test_show_escapes_every_text_that_came_from_users(orders, pgq_env):
     [mid] = pgq.publish_many(orders, "orders", [{"text": HOSTILE}], headers={"h": HOSTILE})
     with orders.begin() as conn:
-        conn.execute(update(t.message).where(t.message.c.id == mid).values(key=HOSTILE))
+        conn.execute(
+            update(t.message).where(t.message.c.id == mid).values(key=HOSTILE, dedupe_key=HOSTILE)
+        )
     kill(orders, [mid], "message", last_error="Traceback\n  line 2\n" + HOSTILE,
          lease_owner=HOSTILE)  # fmt: skip
     out = ok(invoke(pgq_env, "show", GROUP, str(mid)))
     lines = printable_lines(out)
-    assert len(lines) == 18  # one per field: no forged line
+    assert len(lines) == 19  # one per field: no forged line
     assert "\\x1b]0;owned\\x07" in out and "\\u202e" in out and "\\x9b" in out
     assert "Traceback\\n  line 2\\n" in out
     # JSON escapes them too, and keeps the exact values
@@ -147,6 +151,7 @@ def test_show_a_done_row_the_frontier_pruned(orders, pgq_env):
     assert (info["state"], info["row"], info["behind_frontier"]) == ("done", "pruned", True)
     assert info["payload"] == {"n": 1}
     assert info["attempts"] is info["error"] is info["available_at"] is None
+    assert info["dedupe_key"] is None
     out = ok(invoke(pgq_env, "show", GROUP, str(ids[1])))
     assert "state            done (row pruned behind the frontier" in out
 

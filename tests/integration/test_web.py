@@ -600,7 +600,12 @@ def _build_hostile(engine: Engine) -> dict[str, int]:
     store_admin.purge(engine, "g", reason=HOSTILE, actor=MEMBER)  # second and third
     kill_with_hostile_text()  # first, again
     mid = pgq.publish(
-        engine, "t", {"text": HOSTILE, HOSTILE: [HOSTILE]}, key=HOSTILE, headers={"h": HOSTILE}
+        engine,
+        "t",
+        {"text": HOSTILE, HOSTILE: [HOSTILE]},
+        key=HOSTILE,
+        headers={"h": HOSTILE},
+        dedupe_key=f"dedupe{HOSTILE}",
     )
     with engine.begin() as conn:
         gid = conn.scalar(select(t.consumer_group.c.id).where(t.consumer_group.c.name == "g"))
@@ -744,6 +749,12 @@ def test_hostile_text_shows_escaped_where_it_belongs(hostile):
     message = get(hostile.server, f"/groups/g/messages/{hostile.ids['message']}").body
     for piece in (script, "\\u001b[2J", "\\u202e"):
         assert piece in message, piece  # the payload, as JSON
+    # the dedupe key, on the lines `pgq show` prints: escaped, on its own line
+    [dedupe] = [line for line in message.splitlines() if line.startswith("dedupe_key")]
+    assert (
+        dedupe.split(None, 1)[1]
+        == f"dedupe{script}{img}\\x1b[2J\\u202e\\x07\\x08\\x7f\\r\\n\\x9bend"
+    )
     listing = get(hostile.server, "/groups/g/messages?limit=500", Cookie=hostile.cookie).body
     for piece in (script, img, "\\x1b[2J", "\\u202e", "\\x9b"):
         assert piece in listing, piece  # the key, the payload's start, the error texts
