@@ -81,6 +81,10 @@ PRODUCER_TABLES: dict[str, tuple[str, ...]] = {
     "topic.created_at": ("UPDATE",),  # only to lock: publishing locks the topic (FOR KEY SHARE)
     "message": ("INSERT",),
     "message.id": ("SELECT",),  # the insert returns the new ids; never a payload
+    # idempotent publish (schema version 7): the insert returns the keys it inserted,
+    # and the id of a key already there is read by (topic, key); never a payload
+    "message.topic_id": ("SELECT",),
+    "message.dedupe_key": ("SELECT",),
     "consumer_group": ("SELECT",),  # the groups of the topic
     "delivery": ("INSERT",),  # one ready row per group
 }
@@ -146,6 +150,14 @@ GROUP_STATE_CARRIED: Carried = {
 `group_state`: a role that could update them before (a consumer's) may still, one
 that reads the breaker's history (an administrator, a monitoring role) reads them.
 A producer (SELECT on `consumer_group` only) needs nothing there."""
+
+
+DEDUPE_CARRIED: dict[str, Carried] = {
+    name: {("message", "INSERT"): PRODUCER_TABLES[name]}
+    for name in ("message.topic_id", "message.dedupe_key")
+}
+"""Schema version 7 lets a producer publish with dedupe keys: a role granted INSERT on
+`message` before (a producer's) gets SELECT on the two columns that needs."""
 
 
 REMOVALS_CARRIED: dict[str, Carried] = {

@@ -106,15 +106,19 @@ def _v6_group_start(conn: Connection) -> None:
 def _v7_dedupe_key(conn: Connection) -> None:
     # Idempotent publish (decision 0040): a nullable key on the message and a partial
     # unique index of (topic, key). The index is built here, in the migration's
-    # transaction: its lock holds publishing and retention (not claims or acks) for
-    # one scan of `message`, with nothing to sort (every key is NULL). An operator
+    # transaction: the column's lock, held to its commit, holds what reads or writes
+    # `message` (publishing, the claim's read of bodies, retention) for one scan of
+    # the table, with nothing to sort (every key is NULL). An operator
     # who cannot hold publishing that long builds it beforehand, CONCURRENTLY, under
     # the same name (docs/operations.md); a valid one is kept, an invalid one (a
     # concurrent build that failed) is built again. A fresh install already has
-    # both from version 1 (the tables as declared).
+    # both from version 1 (the tables as declared). A role granted a producer's
+    # privileges before gets what publishing with keys needs.
     params = {"schema": schema_of(conn), "table": t.message.name}
     if "dedupe_key" not in set(conn.execute(upgrade.columns_of(), params).scalars()):
         conn.execute(upgrade.add_dedupe_key(_qualified(conn, t.message)))
+    for name, carried in privileges_sql.DEDUPE_CARRIED.items():
+        _granted(conn, carry_grants(conn, name, carried))
     index = _qualified_name(conn, str(t.dedupe_index.name))
     valid = conn.execute(upgrade.index_valid(), {"index": index}).scalar()
     if valid is True:

@@ -214,9 +214,9 @@ def test_a_topic_restricted_producer_publishes_to_that_topic_only(orders, world,
         f"INSERT INTO {s}.delivery (group_id, message_id) VALUES ({world['hr']}, 1)": (
             "error: InsufficientPrivilege"
         ),
-        f"SELECT id FROM {s}.message WHERE topic_id = {world['payroll']}": (
-            "error: InsufficientPrivilege"  # it reads ids only
-        ),
+        f"SELECT payload FROM {s}.message": "error: InsufficientPrivilege",  # ids, keys only
+        # (it reads topic ids and dedupe keys to publish with keys: not another topic's)
+        f"SELECT id FROM {s}.message WHERE topic_id = {world['payroll']}": "0 rows",
         f"SELECT id FROM {s}.message": "3 rows",  # its topic's: not payroll's
         f"SELECT * FROM {s}.consumer_group WHERE id = {world['hr']}": "0 rows",
     }
@@ -231,6 +231,12 @@ def test_a_topic_restricted_producer_publishes_to_that_topic_only(orders, world,
     pgq.subscribe(orders, "audit_log", "orders", start="latest")
     pgq.publish(producer.engine, "orders", {"n": 13})
     assert pgq.status(orders, "audit_log")["counts"]["ready"] == 1
+    # with dedupe keys: its topic's message is found again; another topic's with the
+    # same key is none of its business
+    pgq.publish(orders, "payroll", {"n": 14}, dedupe_key="k")
+    first = pgq.publish(producer.engine, "orders", {"n": 15}, dedupe_key="k")
+    assert pgq.publish(producer.engine, "orders", {"n": 16}, dedupe_key="k") == first
+    assert pgq.status(orders, "audit_log")["counts"]["ready"] == 2
 
 
 def age(engine: Engine) -> None:

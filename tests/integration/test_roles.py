@@ -262,6 +262,12 @@ def producer_refusals(role: Role) -> set[str]:
             pgq.publish(conn, "orders", {"n": "never"})
             conn.rollback()
 
+    def deduplicated() -> None:
+        first = pgq.publish(eng, "orders", {"n": 7}, dedupe_key="d1")
+        assert pgq.publish(eng, "orders", {"n": 7}, dedupe_key="d1") == first  # read back
+        ids = pgq.publish_many(eng, "orders", [{"n": 8}, {"n": 7}], dedupe_keys=["d2", "d1"])
+        assert ids[1] == first
+
     def cli(*args: str, stdin: str | None = None) -> Callable[[], None]:
         def run() -> None:
             result = invoke(role.env, "publish", "orders", *args, stdin=stdin)
@@ -279,6 +285,8 @@ def producer_refusals(role: Role) -> set[str]:
         "rolled back": rolled_back,
         "pgq publish": cli('{"n": 4}', "--key", "k"),
         "pgq publish stdin": cli(stdin='{"n": 5}\n{"n": 6}\n'),
+        "publish with dedupe keys": deduplicated,
+        "pgq publish --dedupe-key": cli('{"n": 9}', "--dedupe-key", "cli"),
     }
     refused = set()
     for what, do in work.items():
@@ -296,6 +304,8 @@ PUBLISHED = {
     "rolled back": 0,
     "pgq publish": 1,
     "pgq publish stdin": 2,
+    "publish with dedupe keys": 2,
+    "pgq publish --dedupe-key": 1,
 }
 """How many messages each of `producer_refusals`' operations publishes."""
 
@@ -446,6 +456,8 @@ def test_print_needs_no_database_nor_an_existing_role(schema):
         f'GRANT UPDATE ("created_at") ON TABLE "{schema}"."topic" TO "app_that_will_exist"',
         f'GRANT INSERT ON TABLE "{schema}"."message" TO "app_that_will_exist"',
         f'GRANT SELECT ("id") ON TABLE "{schema}"."message" TO "app_that_will_exist"',
+        f'GRANT SELECT ("topic_id") ON TABLE "{schema}"."message" TO "app_that_will_exist"',
+        f'GRANT SELECT ("dedupe_key") ON TABLE "{schema}"."message" TO "app_that_will_exist"',
         f'GRANT SELECT ON TABLE "{schema}"."consumer_group" TO "app_that_will_exist"',
         f'GRANT INSERT ON TABLE "{schema}"."delivery" TO "app_that_will_exist"',
     ]

@@ -234,17 +234,20 @@ def test_init_keeps_each_role_able_to_do_its_job(
     """Roles granted a producer's, a consumer's and an administrator's privileges
     before the upgrade get what their job needs on the tables added since (the probe
     log, version 3; group_state, version 4) and for what it can do since (an
-    administrator removes groups and topics, version 5), and no more: the consumer
+    administrator removes groups and topics, version 5; a producer publishes with
+    dedupe keys, version 7), and no more: the consumer
     is not refused at start and drains, the producer publishes, `pgq breaker` works
     for the administrator."""
     added = [("group_state", p) for p in ("SELECT", "UPDATE")] if version < 4 else []
     if version < 3:
         added += [("probe", p) for p in ("SELECT", "INSERT", "DELETE")]
     removals = [(name, p) for name, ps in ADMIN_REMOVALS.items() for p in ps] if version < 5 else []
+    # version 7: what publishing with dedupe keys needs (the column is new)
+    keys = [("message.topic_id", "SELECT"), ("message.dedupe_key", "SELECT")]
     with (
         consumer_role(pg_dsn, schema, without=added) as (consumer, consumer_dsn),
         job_role(pg_dsn, schema, "admin", without=added + removals) as (admin, admin_dsn),
-        job_role(pg_dsn, schema, "producer", without=added) as (producer, producer_dsn),
+        job_role(pg_dsn, schema, "producer", without=added + keys) as (producer, producer_dsn),
     ):
         # what an earlier version granted a consumer besides: the frontier and the
         # totals were on the group row
@@ -278,6 +281,8 @@ def test_init_keeps_each_role_able_to_do_its_job(
         eng = pgq.connect(producer_dsn, schema=schema)
         try:
             pgq.publish(eng, "t", {"n": 1})
+            first = pgq.publish(eng, "t", {"n": 2}, dedupe_key="k")
+            assert pgq.publish(eng, "t", {"n": 3}, dedupe_key="k") == first
         finally:
             eng.dispose()
         eng = pgq.connect(consumer_dsn, schema=schema)
@@ -285,7 +290,7 @@ def test_init_keeps_each_role_able_to_do_its_job(
             summary = pgq.Consumer(eng, "g", lambda m: None, **FAST).run(until_empty=True)
         finally:
             eng.dispose()
-        assert (summary.stop_reason, summary.done) == ("empty", 1), consumer
+        assert (summary.stop_reason, summary.done) == ("empty", 2), consumer
 
 
 @pytest.fixture(params=[*RELEASED, LATEST], ids=lambda v: f"v{v}")
