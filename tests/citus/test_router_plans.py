@@ -27,7 +27,7 @@ from sqlalchemy.sql import Executable
 
 import pgq
 from pgq.schema import SCHEMA_PLACEHOLDER
-from pgq.sql import admin, breaker, claim, frontier, members, outcomes, status
+from pgq.sql import admin, breaker, claim, frontier, members, outcomes, publish, status
 from pgq.store import GroupStore, run_once
 from pgq.store.admin import purge
 
@@ -130,6 +130,7 @@ STATEMENTS = [
         id="claim-probe",
     ),
     pytest.param("message_bodies", claim.message_bodies, {"ids": [1, 2]}, id="bodies"),
+    pytest.param("dedupe_lookup", publish.dedupe_lookup, {"keys": ["k"]}, id="dedupe-lookup"),
     pytest.param(
         "record_failures",
         outcomes.record_failures,
@@ -201,7 +202,8 @@ def test_hot_statement_is_a_router_plan(
     cluster: tuple[Engine, int], name: str, statement: Any, params: dict[str, Any]
 ):
     engine, gid = cluster
-    topic = {"topic_id": topic_of(engine)} if name == "message_bodies" else {}
+    by_topic = name in ("message_bodies", "dedupe_lookup")
+    topic = {"topic_id": topic_of(engine)} if by_topic else {}
     lines = plan(engine, statement(), {"gid": gid, **topic, **params})
     assert is_router(lines), "\n".join(lines)
 
@@ -480,3 +482,47 @@ def test_status_names_what_holds_each_groups_frontier_on_its_worker():
         finally:
             for worker in holders.values():
                 worker.close()
+
+
+def test_a_deduplicated_publish_writes_its_messages_on_the_topics_one_shard():
+    """Idempotent publish on the cluster (decision 0040): the unique index of (topic,
+    dedupe key) is on every shard of `message` (valid there: it holds the distribution
+    column); the insert with its `ON CONFLICT` goes to the topic's one shard, and the
+    lookup of a key already there is one task on that shard too. A key published
+    again is one message, one row per group."""
+    with distributed_schema() as (engine, gid):
+        schema = schema_of(engine)
+        first = pgq.publish(engine, "orders", {"n": 1}, dedupe_key="k")
+        with engine.connect() as conn:
+            remote: list[str] = []
+            driver = conn.connection.driver_connection
+            assert driver is not None
+            driver.add_notice_handler(lambda d: remote.append(d.message_primary or ""))
+            conn.execute(text("SET citus.log_remote_commands = on"))
+            ids = pgq.publish_many(conn, "orders", [2, 3, 4], dedupe_keys=["k", "j", None])
+            conn.commit()
+        assert ids[0] == first and len(set(ids)) == 3
+        inserts = [c for c in remote if re.search(r"INSERT INTO \S+\.message_\d+ ", c)]
+        lookups = [c for c in remote if re.search(r"SELECT dedupe_key, id FROM \S+\.message_", c)]
+        assert len(inserts) == 1 and "ON CONFLICT" in inserts[0], inserts
+        assert len(lookups) == 1, lookups
+        shard = re.search(r"message_(\d+)", inserts[0])
+        assert shard is not None and f"message_{shard.group(1)} " in lookups[0]
+        with psycopg.connect(CITUS_DSN) as conn:
+            shards = conn.execute(
+                "SELECT count(*), count(*) FILTER (WHERE result LIKE %s) FROM"
+                " run_command_on_shards(%s, $$SELECT indexdef FROM pg_indexes"
+                " WHERE indexname LIKE 'message_dedupe_key_idx%%%%'"
+                " AND tablename = split_part('%%s', '.', 2)$$)",
+                [
+                    "%UNIQUE%(topic_id, dedupe_key)%WHERE (dedupe_key IS NOT NULL)%",
+                    f'"{schema}".message',
+                ],
+            ).fetchone()
+        assert shards is not None and shards[0] > 1 and shards[0] == shards[1], shards
+        with engine.connect() as conn:
+            rows = conn.execute(
+                text(f'SELECT message_id, count(*) FROM "{schema}".delivery'
+                     " WHERE group_id = :gid GROUP BY 1 HAVING count(*) > 1"), {"gid": gid}
+            ).all()  # fmt: skip
+        assert rows == []

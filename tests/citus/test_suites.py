@@ -67,6 +67,17 @@ SUITES: dict[str, tuple[float, list[str]]] = {
             f"{INT}/test_races.py::test_publishers_racing_subscribes_leave_no_group_without_a_message",
         ],
     ),
+    "idempotent_publish": (
+        60,
+        [
+            f"{INT}/test_dedupe.py::test_a_key_published_again_returns_the_first_id_and_inserts_nothing",
+            f"{INT}/test_dedupe.py::test_publish_many_folds_repeated_keys_and_answers_every_position",
+            f"{INT}/test_dedupe.py::test_a_key_published_twice_in_one_transaction_is_one_message",
+            f"{INT}/test_dedupe.py::test_threads_publishing_the_same_keys_at_once_end_with_one_message_per_key",
+            f"{INT}/test_dedupe.py::test_processes_publishing_the_same_keys_at_once_end_with_one_message_per_key",
+            f"{INT}/test_dedupe.py::test_a_finished_message_still_retained_holds_its_key_and_retention_frees_it",
+        ],
+    ),
     "drain_exactly_once": (
         45,
         [
