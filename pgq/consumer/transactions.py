@@ -31,8 +31,11 @@ from sqlalchemy import Connection, Engine, event
 
 from pgq.consumer.handling import Handling
 from pgq.errors import DatabaseUnavailable, PgqError
+from pgq.logcontext import get_logger
 from pgq.records import Claimed, Outcome, OutcomeKind
 from pgq.store import wrap_errors
+
+logger = get_logger("pgq.consumer")
 
 
 class HandlerEndedTransaction(PgqError):
@@ -51,6 +54,8 @@ class Ended(enum.Enum):
     is for the acker to write."""
     UNKNOWN = "unknown"
     """The commit was sent and its answer lost with the connection: the row tells."""
+    UNSTARTED = "unstarted"
+    """No connection for the handler: it never ran; the row goes back, uncharged."""
     ABANDONED = "abandoned"
     """`proceed()` said no (the watchdog timed it out): rolled back, nothing to write."""
 
@@ -84,7 +89,18 @@ class Transactions:
         handling = self.handling
         if row.unreadable is not None:
             return Attempt(handling.run(row), Ended.FAILED)
-        with self.engine.connect() as conn:
+        try:
+            with wrap_errors():
+                conn = self.engine.connect()
+        except PgqError as exc:  # no connection in `pool_timeout`, or none at all
+            logger.warning(
+                "no connection for a transactional handler id=%d error=%s"
+                " (size the engine's pool for the workers); the row goes back unstarted",
+                row.id,
+                exc,
+            )
+            return Attempt(Outcome(row, OutcomeKind.DONE), Ended.UNSTARTED)
+        with conn:
             guard = _Guard(conn)
             try:
                 with wrap_errors():

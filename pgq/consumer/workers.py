@@ -108,6 +108,11 @@ class Worker(Role):
         attempt = transactions.run(row, write, lambda: self._claim_attempt(row))
         if attempt.ended == Ended.ABANDONED:
             return
+        if attempt.ended == Ended.UNSTARTED:
+            if self._claim_attempt(row):
+                m.defer(row)  # back to ready, uncharged: the fetcher releases it
+                self.gate.nudge()
+            return
         if attempt.ended == Ended.FAILED:
             if self._claim_attempt(row):
                 self._finished(started)

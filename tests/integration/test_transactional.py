@@ -8,6 +8,7 @@ unique key: a duplicate effect shows as a second row) against the messages.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -15,6 +16,7 @@ from helpers import FAST, pin_frontier, rows, state_of, wait_until
 from sqlalchemy import Connection, Engine, text
 
 import pgq
+from pgq.store import conninfo_of, schema_of
 
 WAIT = 30.0
 
@@ -217,3 +219,31 @@ def test_a_handler_past_its_timeout_commits_nothing(orders, effects):
     assert calls == [1, 2]
     assert effect_counts(orders, effects) == Counter([mid])
     assert (summary.done, summary.retried) == (1, 1)
+
+
+def test_a_pool_smaller_than_the_workers_fails_attempts_it_cannot_serve_and_retries(
+    orders, effects
+):
+    """A handler's connection that the caller's pool cannot give in time: the
+    attempt never started, so the row goes back uncharged (no failure, nothing for
+    the breaker), is claimed again, and every effect is there once."""
+    small = pgq.connect(
+        conninfo_of(orders), schema=schema_of(orders), pool_size=1, max_overflow=0, pool_timeout=0.2
+    )
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(6)])
+
+    def handler(message: pgq.Message, conn: Connection) -> None:
+        write_effect(effects, message, conn)
+        time.sleep(0.3)  # holds the pool's one connection past the others' wait
+
+    consumer = pgq.Consumer(
+        small, "billing", handler, transactional=True, workers=3, max_attempts=100, **FAST
+    )
+    try:
+        summary = consumer.run(until_empty=True, wait_retries=10.0, max_runtime=WAIT)
+    finally:
+        small.dispose()
+    assert consumer.clean
+    assert (summary.stop_reason, summary.done, summary.retried) == ("empty", 6, 0)
+    assert summary.released > 0
+    assert effect_counts(orders, effects) == Counter(ids)
