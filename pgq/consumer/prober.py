@@ -320,6 +320,9 @@ class Prober(Role):
                 return attempt.outcome, True
             elif attempt.ended == Ended.REFUSED:
                 return attempt.outcome, False
+            elif attempt.ended == Ended.UNSTARTED:  # no connection: the probe could not run
+                exc = ConnectionError("no connection for the transactional handler")
+                outcome = m.handling.failure(row, exc)
             elif attempt.ended == Ended.UNKNOWN:
                 settled = self.conn.retrying(m.store.settled, [attempt.outcome])
                 return attempt.outcome, row.lease in settled
