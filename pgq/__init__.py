@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from pgq.errors import (
         ConfigError,
         DatabaseUnavailable,
+        PartialFailure,
         PermanentError,
         PgqError,
         RetryLater,
@@ -46,6 +47,7 @@ __all__ = [
     "Consumer",
     "DatabaseUnavailable",
     "Message",
+    "PartialFailure",
     "PermanentError",
     "PgqError",
     "RetryLater",
@@ -76,6 +78,7 @@ _HOMES = {
         (
             "ConfigError",
             "DatabaseUnavailable",
+            "PartialFailure",
             "PermanentError",
             "PgqError",
             "RetryLater",

@@ -9,6 +9,8 @@ are raised by handlers to tell the consumer what a failure means.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 
 class PgqError(Exception):
     """pgq failed."""
@@ -115,6 +117,18 @@ class RetryLater(Exception):
             raise ValueError("RetryLater delay must be >= 0")
         self.delay = float(delay)
         super().__init__(message or f"retry later in {self.delay:g}s")
+
+
+class PartialFailure(Exception):
+    """Raised by a transactional batch handler (`batch_handler=`): the messages named
+    by id failed, each with its exception. The batch's writes all roll back; the named
+    messages' failures are recorded as any handler's (retry, snooze, dead, the
+    breaker), and the others go back to ready without an attempt charged, to run
+    again with their effects written anew."""
+
+    def __init__(self, failures: Mapping[int, BaseException]) -> None:
+        self.failures = dict(failures)
+        super().__init__(f"{len(self.failures)} message(s) of the batch failed")
 
 
 def install_extra(extra: str) -> str:

@@ -98,19 +98,24 @@ class Consumer:
     `transactional=True`: `handler(msg, conn)` runs in a transaction on a
     connection of `engine`'s pool, and its writes commit with the message's `done`
     outcome, fenced by the lease (`pgq.consumer.transactions`): size that pool for
-    `workers` connections, besides the member's own three.
+    `workers` connections, besides the member's own three. `batch_handler=fn`
+    instead of `handler` (with `transactional=True`): `fn(msgs, conn)` gets up to
+    `batch_size` messages and one transaction for all of them; raise
+    `pgq.PartialFailure({id: exc})` to fail only some (all writes roll back, the
+    others run again uncharged).
     """
 
     def __init__(
         self,
         engine: Engine,
         group: str,
-        handler: Callable[..., Any],
+        handler: Callable[..., Any] | None = None,
         workers: int | None = None,
         name: str | None = None,
         classify: Callable[[BaseException], Any] | None = None,
         *,
         transactional: bool = False,
+        batch_handler: Callable[..., Any] | None = None,
         settings: Settings | None = None,
         config: str | os.PathLike[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -120,8 +125,18 @@ class Consumer:
         self.group = check_name("group", group)
         self.name = check_member_name(name or default_member_name())
         self.settings = build_settings(settings, config, {"workers": workers, **overrides})
-        self.handling = Handling(handler, make_classifier(classify), self.settings)
-        self.transactions = Transactions(engine, self.handling) if transactional else None
+        if (handler is None) == (batch_handler is None):
+            raise UsageError("give a handler or a batch_handler, not both")
+        if batch_handler is not None and not transactional:
+            raise UsageError("batch_handler= needs transactional=True")
+        target = handler if handler is not None else batch_handler
+        assert target is not None
+        self.handling = Handling(target, make_classifier(classify), self.settings)
+        self.transactions = (
+            Transactions(engine, self.handling, batch=batch_handler is not None)
+            if transactional
+            else None
+        )
         self.clock = clock
         self._gate: Gate | None = None
         self._runtime: Runtime | None = None

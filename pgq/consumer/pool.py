@@ -78,6 +78,18 @@ class ClaimPool(Generic[T]):
                 self._emptied.notify()
             return item
 
+    def take_more(self, most: int) -> list[T]:
+        """Up to `most` more rows at once, oldest first, without waiting (for a batch
+        handler, after a `take`); none when closed."""
+        items = self._items
+        with self._lock:
+            if self._closed:
+                return []
+            taken = [items.popleft()[1] for _ in range(min(most, len(items)))]
+            if taken and self.capacity - len(items) >= self._want:
+                self._emptied.notify()
+            return taken
+
     def wait_for_space(self, want: int, timeout: float) -> int:
         """Wait until at least `want` slots are free (or `timeout`); return the free slots.
 

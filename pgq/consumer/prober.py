@@ -320,8 +320,8 @@ class Prober(Role):
                 return attempt.outcome, True
             elif attempt.ended == Ended.REFUSED:
                 return attempt.outcome, False
-            elif attempt.ended == Ended.UNSTARTED:  # no connection: the probe could not run
-                exc = ConnectionError("no connection for the transactional handler")
+            elif attempt.ended == Ended.RELEASED:  # it could not run, or was rolled back
+                exc = ConnectionError("the transactional probe did not run to its end")
                 outcome = m.handling.failure(row, exc)
             elif attempt.ended == Ended.UNKNOWN:
                 settled = self.conn.retrying(m.store.settled, [attempt.outcome])

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, Engine, event
 
 from pgq.consumer.handling import Handling
-from pgq.errors import DatabaseUnavailable, PgqError
+from pgq.errors import DatabaseUnavailable, PartialFailure, PgqError
 from pgq.logcontext import get_logger
-from pgq.records import Claimed, Outcome, OutcomeKind
+from pgq.records import Claimed, Lease, Outcome, OutcomeKind
 from pgq.store import wrap_errors
 
 logger = get_logger("pgq.consumer")
@@ -43,37 +43,41 @@ class HandlerEndedTransaction(PgqError):
 
 
 class Ended(enum.Enum):
-    """How a transactional attempt ended."""
+    """How a transactional attempt ended, for one of its rows."""
 
     COMMITTED = "committed"
     """Its `done` outcome committed with the handler's writes."""
     REFUSED = "refused"
-    """The lease was lost: nothing written, everything rolled back."""
+    """Its lease was lost: nothing written, everything rolled back."""
     FAILED = "failed"
-    """The handler (or its writes, or the commit) failed: rolled back; the failure
+    """The handler (or its writes, or the commit) failed it: rolled back; the failure
     is for the acker to write."""
+    RELEASED = "released"
+    """Rolled back without a failure of its own (no connection for the handler,
+    another row's lost lease, a `PartialFailure` naming other rows): back to ready,
+    uncharged."""
     UNKNOWN = "unknown"
     """The commit was sent and its answer lost with the connection: the row tells."""
-    UNSTARTED = "unstarted"
-    """No connection for the handler: it never ran; the row goes back, uncharged."""
     ABANDONED = "abandoned"
     """`proceed()` said no (the watchdog timed it out): rolled back, nothing to write."""
 
 
 @dataclass(frozen=True)
 class Attempt:
-    """What became of a transactional attempt, with its outcome."""
+    """What became of one row of a transactional attempt, with its outcome."""
 
     outcome: Outcome
     ended: Ended
 
 
 class Transactions:
-    """Runs a transactional handler on one row in a transaction of `engine`."""
+    """Runs a transactional handler in a transaction of `engine`: on one row
+    (`handler(msg, conn)`), or with `batch` on several (`batch_handler(msgs, conn)`)."""
 
-    def __init__(self, engine: Engine, handling: Handling) -> None:
+    def __init__(self, engine: Engine, handling: Handling, *, batch: bool = False) -> None:
         self.engine = engine
         self.handling = handling
+        self.batch = batch
 
     def run(
         self,
@@ -81,60 +85,107 @@ class Transactions:
         write: Callable[[Connection], bool],
         proceed: Callable[[], bool] = lambda: True,
     ) -> Attempt:
-        """Run the handler on `row` in a transaction; when it returns and `proceed()`
-        (the attempt was not abandoned meanwhile), `write(conn)` writes the outcome
-        in the same transaction (True: written) and the transaction commits. Never
-        raises: a failure of the handler, of its writes or of the commit is the
-        attempt's outcome."""
+        """`run_batch` of one row (a worker's, or the prober's probe); `write(conn)`
+        says whether it wrote the row's outcome."""
+        lease = row.lease
+        [attempt] = self.run_batch([row], lambda conn: {lease} if write(conn) else set(), proceed)
+        return attempt
+
+    def run_batch(
+        self,
+        rows: list[Claimed],
+        write: Callable[[Connection], set[Lease]],
+        proceed: Callable[[], bool] = lambda: True,
+    ) -> list[Attempt]:
+        """Run the handler on `rows` in one transaction; when it returns, `write(conn)`
+        writes their `done` outcomes in it (the leases applied) and, all applied, the
+        transaction commits. `proceed()` is asked once the handler is over, whatever
+        it did: False (the attempt was abandoned) rolls everything back and reports
+        nothing. Never raises: what failed is in the attempts, one per row in order."""
         handling = self.handling
-        if row.unreadable is not None:
-            return Attempt(handling.run(row), Ended.FAILED)
+        done = [Outcome(row, OutcomeKind.DONE) for row in rows]
+        if any(row.unreadable is not None for row in rows):  # never given to the handler
+            if not proceed():
+                return self._all(done, Ended.ABANDONED)
+            return [
+                Attempt(handling.run(row), Ended.FAILED)  # dead at once
+                if row.unreadable is not None
+                else Attempt(outcome, Ended.RELEASED)
+                for row, outcome in zip(rows, done, strict=True)
+            ]
         try:
             with wrap_errors():
                 conn = self.engine.connect()
         except PgqError as exc:  # no connection in `pool_timeout`, or none at all
             logger.warning(
-                "no connection for a transactional handler id=%d error=%s"
-                " (size the engine's pool for the workers); the row goes back unstarted",
-                row.id,
+                "no connection for a transactional handler ids=%s error=%s"
+                " (size the engine's pool for the workers); the rows go back unstarted",
+                [row.id for row in rows][:20],
                 exc,
             )
-            return Attempt(Outcome(row, OutcomeKind.DONE), Ended.UNSTARTED)
+            return self._all(done, Ended.RELEASED if proceed() else Ended.ABANDONED)
         with conn:
             guard = _Guard(conn)
-            try:
-                with wrap_errors():
-                    conn.begin()
-                handler: Callable[..., object] = handling.handler
-                guard.armed = True
-                try:
-                    handler(row.message, conn)
-                finally:
-                    guard.armed = False
-                guard.check()
-            except BaseException as exc:  # a handler's SystemExit must not kill the thread
-                guard.discard()
-                return Attempt(handling.failure(row, guard.why(exc)), Ended.FAILED)
-            done = Outcome(row, OutcomeKind.DONE)
+            failed = self._call(conn, guard, rows)
             if not proceed():
                 guard.discard()
-                return Attempt(done, Ended.ABANDONED)
+                return self._all(done, Ended.ABANDONED)
+            if failed is not None:
+                guard.discard()
+                return failed
             try:
                 with wrap_errors():
-                    written = write(conn)
-                if not written:
+                    applied = write(conn)
+                if len(applied) < len(rows):
                     guard.discard()
-                    return Attempt(done, Ended.REFUSED)
+                    return [
+                        Attempt(o, Ended.RELEASED if o.claimed.lease in applied else Ended.REFUSED)
+                        for o in done
+                    ]
                 guard.commit()
             except DatabaseUnavailable:
-                if guard.sent:  # the commit may have happened
-                    return Attempt(done, Ended.UNKNOWN)
                 guard.discard()
-                return Attempt(done, Ended.REFUSED)
+                # sent, the commit may have happened; else the leases are still ours
+                return self._all(done, Ended.UNKNOWN if guard.sent else Ended.RELEASED)
             except PgqError as exc:  # a deferred constraint, a serialization failure
                 guard.discard()
-                return Attempt(handling.failure(row, exc), Ended.FAILED)
-            return Attempt(done, Ended.COMMITTED)
+                return [Attempt(handling.failure(row, exc), Ended.FAILED) for row in rows]
+            return self._all(done, Ended.COMMITTED)
+
+    def _call(self, conn: Connection, guard: _Guard, rows: list[Claimed]) -> list[Attempt] | None:
+        """The handler in a new transaction on `conn`: None when it returned, else
+        what became of each row (its failure, or released for a `PartialFailure`
+        that does not name it)."""
+        handling = self.handling
+        try:
+            with wrap_errors():
+                conn.begin()
+            handler: Callable[..., object] = handling.handler
+            guard.armed = True
+            try:
+                if self.batch:
+                    handler([row.message for row in rows], conn)
+                else:
+                    handler(rows[0].message, conn)
+            finally:
+                guard.armed = False
+            guard.check()
+        except BaseException as exc:  # a handler's SystemExit must not kill the thread
+            if isinstance(exc, PartialFailure) and guard.asked is None:
+                failures = exc.failures
+                return [
+                    Attempt(handling.failure(row, failures[row.id]), Ended.FAILED)
+                    if row.id in failures
+                    else Attempt(Outcome(row, OutcomeKind.DONE), Ended.RELEASED)
+                    for row in rows
+                ]
+            why = guard.why(exc)
+            return [Attempt(handling.failure(row, why), Ended.FAILED) for row in rows]
+        return None
+
+    @staticmethod
+    def _all(done: list[Outcome], ended: Ended) -> list[Attempt]:
+        return [Attempt(outcome, ended) for outcome in done]
 
 
 class _Guard:

@@ -23,7 +23,7 @@ from pgq.consumer.timing import HANDLER
 from pgq.consumer.transactions import Ended, Transactions
 from pgq.errors import PgqError
 from pgq.logcontext import get_logger
-from pgq.records import Claimed, Outcome, OutcomeKind
+from pgq.records import Claimed, Lease, Outcome, OutcomeKind
 from pgq.store import RoleConnection
 
 logger = get_logger("pgq.consumer")
@@ -46,7 +46,7 @@ class Worker(Role):
         self.clock = clock
         self.retired = threading.Event()
         self._lock = threading.Lock()
-        self.current: tuple[Claimed, float] | None = None
+        self.current: tuple[Claimed | list[Claimed], float] | None = None
         """The row whose handler runs now and when it started (a tuple: one per
         message). Only the watchdog clears it while the handler runs: when it
         abandons the attempt."""
@@ -55,17 +55,29 @@ class Worker(Role):
 
     def work(self) -> None:
         m = self.member
+        batching = m.transactions is not None and m.transactions.batch
+        batch_size = m.settings.batch_size
         while not self.retired.is_set():
             row = m.pool.take(timeout=IDLE_WAIT)  # closing the pool wakes every worker
             if row is None:
                 if m.pool.closed or (m.stop_claiming.is_set() and len(m.pool) == 0):
                     return
                 continue
-            if self.gate.admit(row):
+            if batching:
+                rows = [row, *m.pool.take_more(batch_size - 1)]
+                admitted = [r for r in rows if self._admit(r)]
+                if admitted:
+                    self.execute_batch(admitted)
+            elif self._admit(row):
                 self.execute(row)
-            else:
-                m.defer(row)
-                self.gate.nudge()  # the fetcher releases it
+
+    def _admit(self, row: Claimed) -> bool:
+        """The gate lets `row` run; else it is deferred, unstarted, for release."""
+        if self.gate.admit(row):
+            return True
+        self.member.defer(row)
+        self.gate.nudge()  # the fetcher releases it
+        return False
 
     def execute(self, row: Claimed) -> None:
         """Run the handler on one row and report its outcome (unless abandoned)."""
@@ -94,67 +106,96 @@ class Worker(Role):
         if self.handler_time is not None:
             self.handler_time.observe(self.clock() - started)
 
+    def execute_batch(self, rows: list[Claimed]) -> None:
+        """A transactional batch handler on admitted `rows`: one transaction."""
+        transactions = self.member.transactions
+        assert transactions is not None
+        started = self.clock()
+        with self._lock:
+            self.current = (rows, started)
+        self._in_transaction(rows, started, transactions)
+
     def _execute_in_transaction(
         self, row: Claimed, started: float, transactions: Transactions
     ) -> None:
-        """A transactional handler: its success commits with the handler's writes
-        here; a failure goes to the acker as any handler's."""
+        self._in_transaction([row], started, transactions)
+
+    def _in_transaction(
+        self, rows: list[Claimed], started: float, transactions: Transactions
+    ) -> None:
+        """A transactional handler on `rows`: successes commit with the handler's
+        writes here; failures go to the acker as any handler's; rows rolled back
+        without a failure of their own go back to ready uncharged."""
         m = self.member
-        done = Outcome(row, DONE)
+        done = [Outcome(row, DONE) for row in rows]
 
-        def write(conn: Connection) -> bool:
-            return row.lease in m.store.record(conn, [done])
+        def write(conn: Connection) -> set[Lease]:
+            return m.store.record(conn, done)
 
-        attempt = transactions.run(row, write, lambda: self._claim_attempt(row))
-        if attempt.ended == Ended.ABANDONED:
-            return
-        if attempt.ended == Ended.UNSTARTED:
-            if self._claim_attempt(row):
-                m.defer(row)  # back to ready, uncharged: the fetcher releases it
-                self.gate.nudge()
-            return
-        if attempt.ended == Ended.FAILED:
-            if self._claim_attempt(row):
-                self._finished(started)
-                report(m, self.gate, self.acker, attempt.outcome)
+        def proceed() -> bool:
+            return self._claim_attempt(rows[0])
+
+        if transactions.batch:
+            attempts = transactions.run_batch(rows, write, proceed)
+        else:
+            attempts = [transactions.run(rows[0], lambda conn: bool(write(conn)), proceed)]
+        if attempts[0].ended == Ended.ABANDONED:
             return
         self._finished(started)
-        written = attempt.ended == Ended.COMMITTED
-        if attempt.ended == Ended.UNKNOWN:
-            written = self._settled(done)
+        unknown = [a.outcome for a in attempts if a.ended == Ended.UNKNOWN]
+        settled = self._settled(unknown) if unknown else set()
+        released = False
+        for attempt in attempts:
+            outcome, ended = attempt.outcome, attempt.ended
+            if ended == Ended.RELEASED:
+                m.defer(outcome.claimed)  # back to ready, uncharged: the fetcher releases it
+                released = True
+            elif ended == Ended.FAILED:
+                report(m, self.gate, self.acker, outcome)
+            else:
+                self._committed(
+                    outcome, ended == Ended.COMMITTED or outcome.claimed.lease in settled
+                )
+        if released:
+            self.gate.nudge()
+
+    def _committed(self, done: Outcome, written: bool) -> None:
+        """A success this worker wrote itself, with the handler's writes (or refused)."""
+        m = self.member
         self.gate.observe(done)
         m.count_outcome(done, pending=False)
-        m.let_go([row.lease])
+        m.let_go([done.claimed.lease])
         if not written:
-            logger.warning("outcome refused id=%d reason=lease lost (rolled back)", row.id)
+            logger.warning("outcome refused id=%d reason=lease lost (rolled back)", done.claimed.id)
             m.count_refused(done)
 
-    def _settled(self, done: Outcome) -> bool:
-        """Whether a commit whose answer was lost happened: the row tells (gone or
-        done under this lease). Unknown for good (the database stays away): not
-        counted done; the lease then expires and the message runs again if the
-        commit did not happen."""
+    def _settled(self, done: list[Outcome]) -> set[Lease]:
+        """Of successes whose commit's answer was lost, those it committed: the row
+        tells (gone or done under this lease). Unknown for good (the database stays
+        away): none counted done; a lease then expires and the message runs again if
+        the commit did not happen."""
         m = self.member
         conn = RoleConnection(m.links.work, "worker", m.halt)
         try:
-            return done.claimed.lease in conn.retrying(m.store.settled, [done])
+            return conn.retrying(m.store.settled, done)
         except PgqError as exc:
-            logger.warning("commit of id=%d unknown error=%s", done.claimed.id, exc)
-            return False
+            logger.warning("commit unknown ids=%s error=%s", [o.claimed.id for o in done], exc)
+            return set()
 
-    def abandon_if_overdue(self, now: float, timeout: float) -> tuple[Outcome, float] | None:
-        """If the running handler is past `timeout`, abandon it; return its outcome and
-        how long it had run."""
+    def abandon_if_overdue(self, now: float, timeout: float) -> tuple[list[Outcome], float] | None:
+        """If the running handler is past `timeout`, abandon it; return its outcomes
+        (one per row: a batch handler runs several) and how long it had run."""
         with self._lock:
             current = self.current
             if current is None or now - current[1] < timeout:
                 return None
             self.current = None
-        row, started = current
+        running, started = current
+        rows = running if isinstance(running, list) else [running]
         self.retired.set()
         exc = TimeoutError(f"handler ran longer than handler_timeout ({timeout:g}s)")
-        logger.warning("handler timed out id=%d thread=%s", row.id, self.name)
-        return self.member.handling.failure(row, exc), now - started
+        logger.warning("handler timed out ids=%s thread=%s", [r.id for r in rows], self.name)
+        return [self.member.handling.failure(row, exc) for row in rows], now - started
 
 
 def report(member: Member, gate: Gate, acker: Acker, outcome: Outcome) -> None:
@@ -197,11 +238,12 @@ class Workers:
         for worker in list(self.threads):
             abandoned = worker.abandon_if_overdue(now, limit)
             if abandoned is not None:
-                outcome, took = abandoned
+                outcomes, took = abandoned
                 self.threads.remove(worker)
                 if self.timed_out is not None:
                     self.timed_out.observe(took)
-                report(self.member, self.gate, self.acker, outcome)
+                for outcome in outcomes:
+                    report(self.member, self.gate, self.acker, outcome)
                 if not self.member.stop_claiming.is_set():
                     self.spawn()
 

@@ -247,3 +247,79 @@ def test_a_pool_smaller_than_the_workers_fails_attempts_it_cannot_serve_and_retr
     assert (summary.stop_reason, summary.done, summary.retried) == ("empty", 6, 0)
     assert summary.released > 0
     assert effect_counts(orders, effects) == Counter(ids)
+
+
+def test_a_batch_handler_commits_a_batch_of_effects_with_their_acks(orders, effects):
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(60)])
+    sizes: list[int] = []
+
+    def batch(messages: list[pgq.Message], conn: Connection) -> None:
+        sizes.append(len(messages))
+        for message in messages:
+            write_effect(effects, message, conn)
+
+    consumer = pgq.Consumer(
+        orders, "billing", batch_handler=batch, transactional=True, batch_size=10, **FAST
+    )
+    summary = consumer.run(until_empty=True, max_runtime=WAIT)
+    assert (summary.stop_reason, summary.done, summary.refused) == ("empty", 60, 0)
+    assert effect_counts(orders, effects) == Counter(ids)
+    assert max(sizes) > 1 and max(sizes) <= 10, sizes
+    assert pgq.status(orders, "billing")["counts"]["done"] == 60
+
+
+def test_a_partial_failure_fails_the_named_and_runs_the_others_again_uncharged(orders, effects):
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(6)])
+    bad = ids[2]
+    seen: list[tuple[int, int]] = []
+
+    def batch(messages: list[pgq.Message], conn: Connection) -> None:
+        seen.extend((m.id, m.attempt) for m in messages)
+        for message in messages:
+            write_effect(effects, message, conn)
+        failing = {m.id: ValueError("bad row") for m in messages if m.id == bad and m.attempt == 1}
+        if failing:
+            raise pgq.PartialFailure(failing)
+
+    consumer = pgq.Consumer(
+        orders, "billing", batch_handler=batch, transactional=True, workers=1, **FAST
+    )
+    summary = consumer.run(until_empty=True, wait_retries=5.0, max_runtime=WAIT)
+    assert (summary.done, summary.retried) == (6, 1)
+    assert effect_counts(orders, effects) == Counter(ids)  # the rolled-back batch left none
+    assert (bad, 2) in seen  # charged: its second attempt
+    others = {mid: max(a for m, a in seen if m == mid) for mid in ids if mid != bad}
+    assert set(others.values()) == {1}  # the others ran again uncharged
+
+
+def test_a_batch_handler_that_raises_fails_every_message_of_the_batch(orders, effects):
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(4)])
+    calls: list[int] = []
+
+    def batch(messages: list[pgq.Message], conn: Connection) -> None:
+        calls.append(len(messages))
+        for message in messages:
+            write_effect(effects, message, conn)
+        if len(calls) == 1:
+            raise ValueError("the whole batch")
+
+    consumer = pgq.Consumer(
+        orders, "billing", batch_handler=batch, transactional=True, workers=1, **FAST
+    )
+    summary = consumer.run(until_empty=True, wait_retries=5.0, max_runtime=WAIT)
+    assert summary.done == 4
+    assert summary.retried == calls[0]
+    assert effect_counts(orders, effects) == Counter(ids)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"batch_handler": lambda msgs, conn: None},
+        {"handler": lambda msg: None, "batch_handler": lambda msgs, conn: None},
+        {},
+    ],
+)
+def test_a_batch_handler_needs_transactional_and_comes_alone(orders, kwargs):
+    with pytest.raises(pgq.UsageError):
+        pgq.Consumer(orders, "billing", **kwargs)
