@@ -15,7 +15,7 @@ from sqlalchemy import Connection, Engine, event, select, text
 
 import pgq
 from pgq import schema as t
-from pgq.errors import DatabaseError
+from pgq.errors import DatabaseError, UsageError
 from pgq.store import GroupStore
 from pgq.store.migrations import LATEST
 from pgq.store.topics import DEDUPE_KEY_MAX
@@ -315,6 +315,16 @@ def test_the_longest_key_of_four_byte_characters_fits_the_index(orders):
     assert len(longest.encode()) == 4 * DEDUPE_KEY_MAX  # 2 KiB, nothing to compress
     mid = pgq.publish(orders, "orders", 1, dedupe_key=longest)
     assert pgq.publish_many(orders, "orders", [2, 3], dedupe_keys=[longest, longest]) == [mid, mid]
+
+
+@pytest.mark.parametrize("unordered", [{"a", "b"}, {"a": 1, "b": 2}], ids=["set", "dict"])
+def test_dedupe_keys_in_an_unordered_collection_are_refused(orders, unordered):
+    """Keys are paired with payloads by position: a set pairs them in hash order
+    (which payload gets "a" differs between runs), and a dict's keys are a
+    mistake of the same kind. Both were accepted; the error says "a list"."""
+    with pytest.raises(UsageError, match="dedupe_keys must be a list"):
+        pgq.publish_many(orders, "orders", ["for a", "for b"], dedupe_keys=unordered)
+    assert keyed(orders) == {}
 
 
 # --- the upgrade ---------------------------------------------------------------------
