@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from fixtures.released import restore
-from helpers import FAST, wait_until
+from helpers import FAST, invoke, wait_until
 from sqlalchemy import Connection, Engine, event, select, text
 
 import pgq
@@ -376,3 +376,16 @@ def test_a_v6_database_upgraded_while_keyed_publishers_run_keeps_one_message_per
     found = keyed(v6, "t")
     assert {k: set(ids) for k, ids in found.items()} == told
     assert all(len(ids) == 1 for ids in found.values())
+
+
+def test_a_keyed_publish_before_the_upgrade_says_to_run_pgq_init(v6, pgq_env):
+    """New code on a version 6 schema (the code deployed before `pgq init`): a keyed
+    publish failed with `DatabaseError` "column "dedupe_key" of relation "message"
+    does not exist", and `pgq publish --dedupe-key` exited 1, the code of an internal
+    error. The schema is too old, as it is missing when not installed: a usage error
+    (exit 2) that says `pgq init`, like `SchemaMissing`."""
+    with pytest.raises(UsageError, match="pgq init"):
+        pgq.publish(v6, "t", 1, dedupe_key="k")
+    result = invoke(pgq_env, "publish", "t", "{}", "--dedupe-key", "k")
+    assert result.exit_code == 2, result.output
+    assert "pgq init" in result.output and len(result.output.strip().splitlines()) == 1
