@@ -8,9 +8,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 from fixtures.released import restore
 from helpers import FAST, invoke, wait_until
+from psycopg import sql
 from sqlalchemy import Connection, Engine, event, select, text
 
 import pgq
@@ -389,3 +391,42 @@ def test_a_keyed_publish_before_the_upgrade_says_to_run_pgq_init(v6, pgq_env):
     result = invoke(pgq_env, "publish", "t", "{}", "--dedupe-key", "k")
     assert result.exit_code == 2, result.output
     assert "pgq init" in result.output and len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        "CREATE INDEX CONCURRENTLY message_dedupe_key_idx ON {s}.message"
+        " (topic_id, dedupe_key) WHERE dedupe_key IS NOT NULL",
+        "CREATE UNIQUE INDEX CONCURRENTLY message_dedupe_key_idx ON {s}.message (dedupe_key)",
+    ],
+    ids=["not unique", "without the topic"],
+)
+def test_migration_7_keeps_an_index_of_its_name_only_if_it_is_the_declared_one(
+    pg_dsn, schema, index
+):
+    """docs/operations.md has the operator build the index beforehand, CONCURRENTLY,
+    under its name; migration 7 keeps any valid index of that name. One built wrong
+    (UNIQUE left out, the topic left out) was kept, version 7 recorded, and from then
+    on every keyed publish failed: "there is no unique or exclusion constraint
+    matching the ON CONFLICT specification". The migration must build the declared
+    index (or refuse, naming it), never leave keyed publishing broken."""
+    restore(pg_dsn, schema, 6)
+    s = sql.Identifier(schema).as_string(None)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute(f"ALTER TABLE {s}.message ADD COLUMN IF NOT EXISTS dedupe_key text")
+        conn.execute(index.format(s=s))
+    eng = pgq.connect(pg_dsn, schema=schema)
+    try:
+        try:
+            pgq.migrate(eng)
+        except UsageError as exc:
+            assert "message_dedupe_key_idx" in str(exc)
+            return
+        pgq.create_topic(eng, "t")
+        pgq.create_topic(eng, "u")
+        first = pgq.publish(eng, "t", 1, dedupe_key="k")
+        assert pgq.publish(eng, "t", 2, dedupe_key="k") == first
+        assert pgq.publish(eng, "u", 3, dedupe_key="k") != first
+    finally:
+        eng.dispose()
