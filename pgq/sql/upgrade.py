@@ -69,12 +69,21 @@ def add_dedupe_key(qualified: str) -> TextClause:
     return text(f"ALTER TABLE {qualified} ADD COLUMN dedupe_key text")
 
 
-def index_valid() -> Executable:
-    """Whether index `:index` (a qualified name) is valid: no row when there is no
-    such index, false for one a failed `CREATE INDEX CONCURRENTLY` left behind."""
+def index_as_declared() -> Executable:
+    """Whether index `:index` (a qualified name) is the one declared: valid, unique,
+    on the columns `:columns` in that order, with the predicate `:predicate` (as
+    `pg_get_expr` prints it). No row when there is no such index; false for one a
+    failed `CREATE INDEX CONCURRENTLY` left behind, or one built otherwise by hand."""
     return text(
-        "SELECT indisvalid FROM pg_catalog.pg_index"
-        " WHERE indexrelid = pg_catalog.to_regclass(:index)"
+        "SELECT i.indisvalid AND i.indisunique"
+        " AND coalesce(pg_catalog.pg_get_expr(i.indpred, i.indrelid), '') = :predicate"
+        " AND ARRAY(SELECT a.attname::text"
+        "   FROM unnest(i.indkey::int2[]) WITH ORDINALITY AS k(attnum, n)"
+        "   JOIN pg_catalog.pg_attribute a"
+        "     ON a.attrelid = i.indrelid AND a.attnum = k.attnum"
+        "   ORDER BY k.n) = CAST(:columns AS text[])"
+        " AND i.indnkeyatts = i.indnatts"
+        " FROM pg_catalog.pg_index i WHERE i.indexrelid = pg_catalog.to_regclass(:index)"
     )
 
 

@@ -11,6 +11,7 @@ SQLAlchemy exception type:
 | 28 authorization, 3D000 no such database | `BadDsn`              |
 | 42501 insufficient privilege             | `PermissionDenied`    |
 | 42P01 undefined table, 3F000 no schema   | `SchemaMissing`       |
+| 42703 undefined column (an older schema) | `SchemaMissing`       |
 | 22 data exception                        | `InvalidData`         |
 | 40 serialization failure, deadlock       | `TransactionConflict` |
 | 55P03 lock not available (lock_timeout)  | `LockNotAvailable`    |
@@ -61,6 +62,8 @@ _BY_SQLSTATE: tuple[tuple[str, type[PgqError], str], ...] = (
     ("3D", BadDsn, "cannot use the database"),
     ("42501", PermissionDenied, "permission denied"),
     ("42P01", SchemaMissing, ""),
+    # a column of a later version: code deployed before its migration ran
+    ("42703", SchemaMissing, "the pgq schema is older than this pgq: run `pgq init`"),
     ("3F000", SchemaMissing, ""),
     ("22", InvalidData, "the database refused a value"),
     ("40", TransactionConflict, "transaction conflict"),

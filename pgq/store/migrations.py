@@ -110,22 +110,30 @@ def _v7_dedupe_key(conn: Connection) -> None:
     # `message` (publishing, the claim's read of bodies, retention) for one scan of
     # the table, with nothing to sort (every key is NULL). An operator
     # who cannot hold publishing that long builds it beforehand, CONCURRENTLY, under
-    # the same name (docs/operations.md); a valid one is kept, an invalid one (a
-    # concurrent build that failed) is built again. A fresh install already has
-    # both from version 1 (the tables as declared). A role granted a producer's
-    # privileges before gets what publishing with keys needs.
+    # the same name (docs/operations.md); one as declared is kept, any other (a
+    # concurrent build that failed, one built otherwise by hand) is built again. A
+    # fresh install already has both from version 1 (the tables as declared). A role
+    # granted a producer's privileges before gets what publishing with keys needs.
     params = {"schema": schema_of(conn), "table": t.message.name}
     if "dedupe_key" not in set(conn.execute(upgrade.columns_of(), params).scalars()):
         conn.execute(upgrade.add_dedupe_key(_qualified(conn, t.message)))
     for name, carried in privileges_sql.DEDUPE_CARRIED.items():
         _granted(conn, carry_grants(conn, name, carried))
     index = _qualified_name(conn, str(t.dedupe_index.name))
-    valid = conn.execute(upgrade.index_valid(), {"index": index}).scalar()
-    if valid is True:
+    declared = {
+        "index": index,
+        "columns": [column.name for column in t.dedupe_index.columns],
+        "predicate": "(dedupe_key IS NOT NULL)",
+    }
+    kept = conn.execute(upgrade.index_as_declared(), declared).scalar()
+    if kept is True:
         return
-    if valid is False:
+    if kept is False:  # a failed concurrent build, or one built otherwise by hand
         logger.warning(
-            "migration rebuilds an invalid index schema=%s index=%s", schema_of(conn), index
+            "migration rebuilds an index not as declared (invalid, not unique, other"
+            " columns or predicate) schema=%s index=%s",
+            schema_of(conn),
+            index,
         )
         conn.execute(upgrade.drop_index(index))
     t.dedupe_index.create(conn)

@@ -220,7 +220,9 @@ def _dedupe_keys(keys: Sequence[str | None] | None, n: int) -> list[str | None] 
     no payload has one (such a batch is published as one without keys)."""
     if keys is None:
         return None
-    if isinstance(keys, (str, bytes)) or not isinstance(keys, Iterable):
+    # an ordered sequence only: a set or a dict would pair keys with payloads in
+    # hash order
+    if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
         raise UsageError(
             f"dedupe_keys must be a list with one key (or None) per payload,"
             f" not {type(keys).__name__}"
