@@ -94,7 +94,9 @@ def test_the_callers_database_away_for_a_moment_stops_no_member(pg_dsn, schema, 
             wait_until(lambda: proxy.refused >= 1, WAIT, "a handler's connect refused")
             proxy.allow()
             wait_until(
-                lambda: done_count(orders) == len(ids) or not consumer.clean,
+                lambda: (
+                    done_count(orders) == len(ids) or consumer._runtime.member.stopping.is_set()
+                ),
                 WAIT,
                 "all done",
             )
