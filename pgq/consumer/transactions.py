@@ -24,15 +24,19 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-from collections.abc import Callable
+import re
+import secrets
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import psycopg
 from sqlalchemy import Connection, Engine, event
 
 from pgq.consumer.handling import Handling
 from pgq.errors import DatabaseUnavailable, PartialFailure, PgqError
 from pgq.logcontext import get_logger
 from pgq.records import Claimed, Lease, Outcome, OutcomeKind
+from pgq.sql import locks as locks_sql
 from pgq.store import wrap_errors
 
 logger = get_logger("pgq.consumer")
@@ -68,6 +72,8 @@ class Attempt:
 
     outcome: Outcome
     ended: Ended
+    backend: int | None = None
+    """UNKNOWN: the server process the commit went to (`settled_after` waits for it)."""
 
 
 class Transactions:
@@ -78,6 +84,12 @@ class Transactions:
         self.engine = engine
         self.handling = handling
         self.batch = batch
+        settings = handling.settings
+        self.idle_ms = str(max(1, round(settings.handler_timeout * 1000)))
+        """The transaction ends once idle that long while the handler runs (a paused
+        member's must not hold its locks): no handler idles longer than
+        `handler_timeout`, it is abandoned then."""
+        self.closing_idle_ms = str(round(max(IDLE_AFTER_HANDLER_MIN, settings.lease) * 1000))
 
     def run(
         self,
@@ -96,6 +108,31 @@ class Transactions:
         rows: list[Claimed],
         write: Callable[[Connection], set[Lease]],
         proceed: Callable[[], bool] = lambda: True,
+    ) -> list[Attempt]:
+        """Run the handler on `rows` in one transaction (`_run_batch`); nothing escapes:
+        an error past the handler's (a connection it broke) fails the rows."""
+        asked: list[bool] = []
+
+        def once() -> bool:
+            if not asked:
+                asked.append(proceed())
+            return asked[0]
+
+        try:
+            return self._run_batch(rows, write, once)
+        except BaseException as exc:  # a handler's SystemExit must not kill the thread
+            if not once():
+                return self._all([Outcome(row, OutcomeKind.DONE) for row in rows], Ended.ABANDONED)
+            broken = HandlerEndedTransaction(
+                f"pgq's transaction for the handler broke: {type(exc).__name__}: {exc}"
+            )
+            return [Attempt(self.handling.failure(row, broken), Ended.FAILED) for row in rows]
+
+    def _run_batch(
+        self,
+        rows: list[Claimed],
+        write: Callable[[Connection], set[Lease]],
+        proceed: Callable[[], bool],
     ) -> list[Attempt]:
         """Run the handler on `rows` in one transaction; when it returns, `write(conn)`
         writes their `done` outcomes in it (the leases applied) and, all applied, the
@@ -125,7 +162,7 @@ class Transactions:
             )
             return self._all(done, Ended.RELEASED if proceed() else Ended.ABANDONED)
         with conn:
-            guard = _Guard(conn)
+            guard = _Guard(conn, self.closing_idle_ms)
             failed = self._call(conn, guard, rows)
             if not proceed():
                 guard.discard()
@@ -145,8 +182,9 @@ class Transactions:
                 guard.commit()
             except DatabaseUnavailable:
                 guard.discard()
-                # sent, the commit may have happened; else the leases are still ours
-                return self._all(done, Ended.UNKNOWN if guard.sent else Ended.RELEASED)
+                if guard.sent:  # the commit may have happened: the row tells, later
+                    return [Attempt(o, Ended.UNKNOWN, guard.backend) for o in done]
+                return self._all(done, Ended.RELEASED)  # the leases are still ours
             except PgqError as exc:  # a deferred constraint, a serialization failure
                 guard.discard()
                 return [Attempt(handling.failure(row, exc), Ended.FAILED) for row in rows]
@@ -158,17 +196,13 @@ class Transactions:
         that does not name it)."""
         handling = self.handling
         try:
-            with wrap_errors():
-                conn.begin()
+            guard.begin(self.idle_ms)
             handler: Callable[..., object] = handling.handler
-            guard.armed = True
-            try:
+            with guard.handler_running():
                 if self.batch:
                     handler([row.message for row in rows], conn)
                 else:
                     handler(rows[0].message, conn)
-            finally:
-                guard.armed = False
             guard.check()
         except BaseException as exc:  # a handler's SystemExit must not kill the thread
             if isinstance(exc, PartialFailure) and guard.asked is None:
@@ -188,25 +222,86 @@ class Transactions:
         return [Attempt(outcome, ended) for outcome in done]
 
 
-class _Guard:
-    """Keeps a handler from ending pgq's transaction while it runs (`armed`)."""
+TRANSACTION_CONTROL = re.compile(
+    r"\s*(COMMIT|END|ABORT|BEGIN|START|PREPARE|ROLLBACK(?!\s+(WORK\s+|TRANSACTION\s+)?TO\b))\b",
+    re.IGNORECASE,
+)
+"""A statement that would end or begin a transaction (a savepoint's are the handler's)."""
 
-    def __init__(self, conn: Connection) -> None:
+IDLE_AFTER_HANDLER_MIN = 5.0
+"""The least time the transaction may stay idle between the handler's return and the
+commit (the lease, but no less, as a member's own sessions)."""
+
+MARKER = "pgq.attempt"
+"""A setting pgq sets for the transaction alone (`set_config(..., true)`): still there
+after the handler, the transaction is still pgq's."""
+
+
+class _Guard:
+    """Keeps a handler from ending pgq's transaction while it runs (`armed`): through
+    SQLAlchemy (`commit()`, `rollback()`), through the driver's connection, or with a
+    statement; and tells afterwards whether the transaction is still pgq's."""
+
+    def __init__(self, conn: Connection, closing_idle_ms: str) -> None:
         self.conn = conn
+        self.closing_idle_ms = closing_idle_ms
+        """From the handler's return to the commit, the transaction holds the ack's row
+        locks: a member paused there holds them this long at most (the lease)."""
         self.armed = False
         self.asked: str | None = None
         self.sent = False
+        self.token = secrets.token_hex(8)
+        driver = conn.connection.driver_connection
+        self.driver = driver if isinstance(driver, psycopg.Connection) else None
+        self.backend = self.driver.info.backend_pid if self.driver is not None else None
+        """The server process of the transaction: after a commit whose answer was lost,
+        what to wait for before the row can tell what happened."""
         event.listen(conn, "commit", functools.partial(self._refuse, "commit"))
-        event.listen(conn, "rollback", functools.partial(self._refuse, "roll back"))
+        event.listen(conn, "rollback", self._rolled_back)
+        event.listen(conn, "before_cursor_execute", self._statement)
 
-    def _refuse(self, what: str, conn: Connection) -> None:
+    def begin(self, idle_ms: str) -> None:
+        """Begin pgq's transaction, mark it as pgq's, and have the server end it once
+        idle in it for `idle_ms` milliseconds."""
+        with wrap_errors():
+            self.conn.begin()
+            marks = {"name": MARKER, "value": self.token, "idle_ms": idle_ms}
+            self.conn.execute(locks_sql.mark_transaction(), marks)
+
+    @contextlib.contextmanager
+    def handler_running(self) -> Iterator[None]:
+        """While the handler runs, a commit is refused before it reaches the server,
+        however asked for (SQLAlchemy, the driver, a statement): it would make the
+        writes durable without their ack. A rollback or a close is let through (it
+        only loses writes) and noted: the attempt then fails (`check`)."""
+        driver = self.driver
+        self.armed = True
+        if driver is not None:
+            driver.commit = functools.partial(self._refuse, "commit")  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            self.armed = False
+            if driver is not None:
+                with contextlib.suppress(AttributeError):
+                    del driver.commit
+
+    def _refuse(self, what: str, *_: object) -> None:
         if self.armed:
             self.asked = self.asked or what
             raise self._ended()
 
+    def _rolled_back(self, conn: Connection) -> None:
+        if self.armed:
+            self.asked = self.asked or "roll back"
+
+    def _statement(self, conn: Connection, cursor: object, statement: str, *_: object) -> None:
+        if self.armed and TRANSACTION_CONTROL.match(statement):
+            self._refuse(statement.split(None, 1)[0].lower())
+
     def _ended(self) -> HandlerEndedTransaction:
         return HandlerEndedTransaction(
-            f"a transactional handler must not {self.asked or 'close'} pgq's transaction or"
+            f"a transactional handler must not {self.asked or 'end'} pgq's transaction or"
             " its connection (pgq commits the handler's writes with the message's outcome;"
             " raise to fail the attempt): its writes were rolled back"
         )
@@ -218,21 +313,33 @@ class _Guard:
 
     def check(self) -> None:
         """After the handler returned: raise if it tried to end the transaction,
-        closed the connection, or left pgq's transaction otherwise."""
+        closed the connection, or left pgq's transaction by any other way (the
+        marker pgq set for the transaction is gone)."""
         conn = self.conn
+        driver = self.driver
+        if conn.invalidated or (driver is not None and driver.closed):
+            self.asked = self.asked or "break"  # invalidated, or its driver's closed
         if self.asked is not None or conn.closed or not conn.in_transaction():
+            raise self._ended()
+        marks = {"name": MARKER, "idle_ms": self.closing_idle_ms}
+        with wrap_errors():
+            marked = conn.execute(locks_sql.transaction_marked(), marks).first()
+        marker = None if marked is None else marked[0]
+        if marker != self.token:
+            logger.error(
+                "a transactional handler ended pgq's transaction behind its back"
+                " (a COMMIT or ROLLBACK sent by other means): what it committed before"
+                " is not undone"
+            )
+            self.asked = "end"
             raise self._ended()
 
     def commit(self) -> None:
         """Commit for pgq. `sent` says whether the COMMIT went out: when it raises
         `DatabaseUnavailable` after that, the commit may have happened."""
-        self.ours = True
-        try:
-            with wrap_errors():
-                self.sent = True
-                self.conn.commit()
-        finally:
-            self.ours = False
+        with wrap_errors():
+            self.sent = True
+            self.conn.commit()
 
     def discard(self) -> None:
         """Roll everything back. After the handler tried to end the transaction the

@@ -9,9 +9,11 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Integer,
     bindparam,
     cast,
     column,
+    exists,
     false,
     func,
     literal,
@@ -152,3 +154,42 @@ def group_key(schema: str, group: str) -> int:
     (`xact_lock_shared`, `xact_lock`): a join either commits before the unsubscribe
     reads who is live, or waits for it and then finds the group gone."""
     return lock_key(schema, "group", group)
+
+
+@cache
+def mark_transaction() -> Select[tuple[str]]:
+    """Mark this transaction with `:value` under the setting `:name` (gone at its end),
+    and end it once it has been idle in transaction for `:idle_ms` milliseconds
+    (a paused client's transaction must not hold its locks for ever)."""
+    return select(
+        func.set_config(bindparam("name"), bindparam("value"), true()),
+        func.set_config(
+            literal("idle_in_transaction_session_timeout"), bindparam("idle_ms"), true()
+        ),
+    )
+
+
+@cache
+def transaction_marked() -> Select[Any]:
+    """This transaction's setting `:name` (empty when it is gone: the transaction that
+    set it ended), and from now on end it once idle in it for `:idle_ms` milliseconds."""
+    return select(
+        func.current_setting(bindparam("name"), true()),
+        func.set_config(
+            literal("idle_in_transaction_session_timeout"), bindparam("idle_ms"), true()
+        ),
+    )
+
+
+@cache
+def end_backend() -> Select[tuple[bool]]:
+    """Terminate server process `:pid` (one of this role's own sessions: its client is
+    gone, or gave it up); true when it was there to signal."""
+    return select(func.pg_terminate_backend(bindparam("pid", type_=Integer)))
+
+
+@cache
+def backend_alive() -> Select[tuple[bool]]:
+    """Whether server process `:pid` still exists (its transaction not yet ended)."""
+    a = table("pg_stat_activity", column("pid"), schema="pg_catalog")
+    return select(exists().where(a.c.pid == bindparam("pid", type_=Integer)))

@@ -11,6 +11,7 @@ from pgq.records import (
     OutcomeKind,
     RowState,
 )
+from pgq.sql import locks as locks_sql
 from pgq.sql import outcomes as outcome_sql
 from pgq.store.connections import run_hot
 from pgq.store.scope import GroupScope, lease_params, lease_set
@@ -65,6 +66,15 @@ class Outcomes(GroupScope):
             }
             applied |= lease_set(run_hot(conn, outcome_sql.record_failures(), params))
         return applied
+
+    def end_backend(self, conn: Connection, pid: int) -> bool:
+        """Terminate this role's server process `pid` (a transaction whose client gave
+        it up); true when it was there."""
+        return bool(conn.execute(locks_sql.end_backend(), {"pid": pid}).scalar())
+
+    def backend_alive(self, conn: Connection, pid: int) -> bool:
+        """Whether server process `pid` is still there (its transaction not ended)."""
+        return bool(conn.execute(locks_sql.backend_alive(), {"pid": pid}).scalar())
 
     def settled(self, conn: Connection, outcomes: list[Outcome]) -> set[Lease]:
         """Of `outcomes` whose write was not seen to apply, the leases the database shows
