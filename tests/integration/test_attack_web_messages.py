@@ -127,6 +127,22 @@ def test_a_bad_filter_or_position_is_one_400_page(engine, board, serve, args):
     assert "<h1" in answer.body and answer.header("Content-Type").startswith("text/html")
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param({"from": "0001-01-01T00:00:00+01:00"}, id="from year 1 east of UTC"),
+        pytest.param({"to": "9999-12-31T23:59:59-01:00"}, id="to year 9999 west of UTC"),
+    ],
+)
+def test_a_time_at_the_edge_of_the_calendar_is_no_500(engine, board, serve, args):
+    """A time whose UTC form leaves Python's date range (year 1 east of UTC, year
+    9999 west of it) passes `parse_filter` and the search, then the page's filter
+    form draws it with `astimezone(utc)` for its `datetime-local` input:
+    OverflowError, a 500 with a traceback in the log. A page or a 400 is fine."""
+    answer = get(serve(), query(**args))
+    assert answer.status in (200, 400), (answer.status, answer.body[:1000])
+
+
 GOOD_QUERIES = [
     pytest.param({"key": "'; DROP TABLE pgq.message; --"}, id="sql in key"),
     pytest.param({"key": "k' OR '1'='1"}, id="quote in key"),
