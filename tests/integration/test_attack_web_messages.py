@@ -202,6 +202,49 @@ def _confirm(server, cookie: str, page: str, scope: str, action: str) -> str:
     return answer.body
 
 
+@pytest.mark.parametrize(
+    ("arg", "value"),
+    [
+        pytest.param("key", "acct\t42", id="a tab in the key"),
+        pytest.param("value", "Zoë\xa0Ltd", id="a no-break space in the payload value"),
+    ],
+)
+def test_a_bulk_requeue_of_a_filter_acts_on_the_rows_the_page_showed(engine, serve, arg, value):
+    """The messages page finds the rows by the raw filter value from the URL, but
+    writes the bulk form's hidden fields (and the confirmation's) through `visible`,
+    so a value holding a tab or a no-break space reaches the confirmation as its
+    escaped text (`acct\\t42`): the confirmation counts, and the requeue changes,
+    the rows whose text is literally that, not the ones the operator looked at."""
+    group(engine)
+    escaped = value.replace("\t", "\\t").replace("\xa0", "\\xa0")
+    if arg == "key":
+        meant = [pgq.publish(engine, "t", {"i": i}, key=value) for i in range(2)]
+        lookalike = pgq.publish(engine, "t", {"i": 9}, key=escaped)
+    else:
+        meant = [pgq.publish(engine, "t", {"customer": value, "i": i}) for i in range(2)]
+        lookalike = pgq.publish(engine, "t", {"customer": escaped})
+    kill(engine, [*meant, lookalike], "message")
+    server = serve(token=TOKEN)
+    cookie = login(server)
+    filters = {"state": "dead", arg: value}
+    if arg == "value":
+        filters["field"] = "customer"
+    page = get(server, query(**filters), Cookie=cookie)
+    assert page.status == 200 and shown(page.body) == meant  # the page finds the right rows
+    confirm = _confirm(server, cookie, page.body, "filter", "requeue")
+    fields = hidden(confirm, "confirm-form") if 'id="confirm-form"' in confirm else {}
+    same = {"Cookie": cookie, "Origin": origin(server)}
+    if fields:
+        done = post(server, "/groups/g/requeue", {**fields, "reason": "fixed"}, **same)
+        assert done.status == 303, done.body[:2000]
+    requeued = [m for a in monitor.audit(engine, "g") for m in a["message_ids"]]
+    count = re.search(r'id="count"><strong>(\d+)</strong>', confirm)
+    assert (count and count[1], requeued) == ("2", meant), (
+        f"the page showed {meant}; the confirmation counted {count and count[1]}; "
+        f"requeued {requeued} (the look-alike is {lookalike})"
+    )
+
+
 def test_a_selection_changes_only_its_own_groups_dead_rows_once(engine, serve):
     """Ids of another group, of ready and leased rows, and duplicates: a requeue of
     the selection refuses and writes nothing; a purge leaves them out; each id
