@@ -245,6 +245,32 @@ def test_a_bulk_requeue_of_a_filter_acts_on_the_rows_the_page_showed(engine, ser
     )
 
 
+def test_a_row_that_dies_after_the_confirmation_is_left_alone(engine, serve):
+    """The confirmation says "message ids up to N: rows that die later are left
+    alone", but `upto` bounds ids, not deaths: an older message that was waiting
+    for a retry when the confirmation was drawn, and dies before the click, has an
+    id below N and is swept up by the requeue the operator confirmed for fewer rows."""
+    group(engine)
+    retrying, *dead = pgq.publish_many(engine, "t", [{"i": i} for i in range(3)])
+    kill(engine, dead, "message")
+    server = serve(token=TOKEN)
+    cookie = login(server)
+    page = get(server, query(state="dead"), Cookie=cookie)
+    assert shown(page.body) == dead
+    confirm = _confirm(server, cookie, page.body, "filter", "requeue")
+    assert re.search(r'id="count"><strong>2</strong> dead rows match', confirm), confirm
+    assert "rows that die later are left alone" in confirm
+    fields = hidden(confirm, "confirm-form")
+    assert fields["upto"] == str(dead[-1])
+    kill(engine, [retrying], "message")  # its last retry fails after the confirmation
+    same = {"Cookie": cookie, "Origin": origin(server)}
+    done = post(server, "/groups/g/requeue", {**fields, "reason": "confirmed 2"}, **same)
+    assert done.status == 303, done.body[:2000]
+    [audit] = monitor.audit(engine, "g")
+    assert (audit["count"], audit["message_ids"]) == (2, dead), audit
+    assert states(engine, "g") == {"ready": 2, "dead": 1}
+
+
 def test_a_selection_changes_only_its_own_groups_dead_rows_once(engine, serve):
     """Ids of another group, of ready and leased rows, and duplicates: a requeue of
     the selection refuses and writes nothing; a purge leaves them out; each id
