@@ -27,6 +27,7 @@ from test_web import TOKEN, get, login, origin, post
 
 import pgq
 from pgq import monitor
+from pgq.store import admin as store_admin
 
 serve = test_web.serve
 """test_web's fixture: dashboard servers on this test's engine, closed at the end."""
@@ -269,6 +270,27 @@ def test_a_row_that_dies_after_the_confirmation_is_left_alone(engine, serve):
     [audit] = monitor.audit(engine, "g")
     assert (audit["count"], audit["message_ids"]) == (2, dead), audit
     assert states(engine, "g") == {"ready": 2, "dead": 1}
+
+
+def test_a_confirmed_requeue_that_finds_nothing_left_says_so(engine, serve):
+    """The rows confirmed were requeued by someone else before the click: the
+    requeue changes nothing and writes no audit row, and its answer, a 303 to the
+    group page "which says what was done", carries no `done=` at all: the page
+    the operator lands on says nothing, as if the click had been lost."""
+    group(engine)
+    dead = pgq.publish_many(engine, "t", [{"i": i} for i in range(2)])
+    kill(engine, dead, "message")
+    server = serve(token=TOKEN)
+    cookie = login(server)
+    page = get(server, query(state="dead"), Cookie=cookie)
+    fields = hidden(_confirm(server, cookie, page.body, "filter", "requeue"), "confirm-form")
+    store_admin.requeue(engine, "g", dead, reason="a colleague was faster")
+    same = {"Cookie": cookie, "Origin": origin(server)}
+    done = post(server, "/groups/g/requeue", {**fields, "reason": "mine"}, **same)
+    assert done.status == 303, done.body[:2000]
+    landed = get(server, done.header("Location"), Cookie=cookie)
+    assert landed.status == 200
+    assert re.search(r'id="result">[^<]*requeued 0', landed.body), done.header("Location")
 
 
 def test_a_selection_changes_only_its_own_groups_dead_rows_once(engine, serve):
