@@ -27,7 +27,10 @@ from test_web import TOKEN, get, login, origin, post
 
 import pgq
 from pgq import monitor
+from pgq.records import MessageFilter
 from pgq.store import admin as store_admin
+from pgq.web.query import Position
+from pgq.web.views import listing
 
 serve = test_web.serve
 """test_web's fixture: dashboard servers on this test's engine, closed at the end."""
@@ -190,6 +193,24 @@ def test_error_text_and_payload_values_match_literally(engine, board, serve):
     assert found(field="n", value="1") == [board["percent"], board["thousand"], board["ready"]]
     # ... and 1.0 only as it is written
     assert found(field="n", value="1.0") == [board["underscore"]]
+
+
+def test_the_previous_page_of_an_empty_search_window_shows_the_row_before_it(engine):
+    """A page of an unindexed filter whose window ends on a matching row says "next
+    from that row"; when the next page finds nothing, its "previous" link is that
+    same row (`prev=ID`: the rows before it), so the page it opens leaves the row
+    out, shows nothing, and has no "next" link either: the row cannot be reached
+    going back. (The window is 100,000 rows on the real page; 2 here.)"""
+    group(engine)
+    ids = pgq.publish_many(engine, "t", [{"n": n} for n in ("x", "y", "x", "x")])
+    kill(engine, ids, "message")
+    f = MessageFilter(state="dead", field="n", value="y")
+    first = listing(engine, "g", f, Position(), scan=2)
+    assert [r.message_id for r in first.rows] == [ids[1]] and first.next == ids[1]
+    second = listing(engine, "g", f, Position(next=first.next), scan=2)
+    assert second.rows == () and second.next is None and second.prev is not None
+    back = listing(engine, "g", f, Position(prev=second.prev), scan=2)
+    assert [r.message_id for r in back.rows] == [ids[1]], (back.rows, back.next, back.prev)
 
 
 # -- bulk actions ---------------------------------------------------------------------
