@@ -351,6 +351,17 @@ def test_a_selection_changes_only_its_own_groups_dead_rows_once(engine, serve):
     assert len(monitor.audit(engine, "g")) == 1
 
 
+def test_a_requeue_form_of_ten_thousand_ids_fits(engine, serve):
+    """`MAX_BODY`'s promise ("a requeue form with 10,000 ids fits") and the audit's
+    10,000 listed ids: with the ids of a queue past a million messages (seven
+    digits) the typed form is 80 kB, and the dashboard refuses it unread (413)."""
+    group(engine)
+    server = serve(token=TOKEN)
+    ids = " ".join(str(1_000_000 + i) for i in range(10_000))
+    answer = post(server, "/groups/g/requeue", {"ids": ids, "reason": "r"}, **BEARER)
+    assert answer.status == 400 and "not dead" in answer.body, (answer.status, answer.body[:500])
+
+
 def test_a_bulk_requeue_while_a_consumer_drains_the_group_loses_and_doubles_nothing(engine, serve):
     """Rows leased while the requeue runs are not touched; every message is handled
     exactly once; the audit row counts exactly the rows requeued."""
