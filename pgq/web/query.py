@@ -52,7 +52,12 @@ def _time(arg: str, text: str) -> dt.datetime:
         when = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         raise UsageError(f"invalid {arg}: use an ISO 8601 time (2026-01-31T14:05)") from None
-    return when if when.tzinfo is not None else when.replace(tzinfo=dt.timezone.utc)
+    when = when if when.tzinfo is not None else when.replace(tzinfo=dt.timezone.utc)
+    try:  # the filter form shows it in UTC: year 1 east of UTC is year 0 there
+        when.astimezone(dt.timezone.utc)
+    except OverflowError:
+        raise UsageError(f"invalid {arg}: use a time of the years 1 to 9999 in UTC") from None
+    return when
 
 
 def parse_filter(args: Mapping[str, str]) -> MessageFilter:

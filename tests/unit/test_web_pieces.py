@@ -349,7 +349,15 @@ def test_a_filter_goes_to_the_url_and_back_unchanged():
 
 @pytest.mark.parametrize(
     "args",
-    [{"id": "1e3"}, {"id": "-1"}, {"upto": "x"}, {"from": "yesterday"}, {"to": "2026-13-01"}],
+    [
+        {"id": "1e3"},
+        {"id": "-1"},
+        {"upto": "x"},
+        {"from": "yesterday"},
+        {"to": "2026-13-01"},
+        {"from": "0001-01-01T00:00:00+01:00"},  # year 0 in UTC
+        {"to": "9999-12-31T23:59:59-01:00"},  # year 10000 in UTC
+    ],
 )
 def test_bad_filter_arguments_are_usage_errors(args):
     from pgq.errors import UsageError
