@@ -5,8 +5,10 @@
 autoescape on, and every string the templates print first goes through
 `visible` (control and format characters escaped, as the CLI prints them), so
 names, payloads and error texts can neither inject markup nor hide or forge
-text. A page asked with `?live=1` answers only its live part, which
-`static/live.js` swaps in every `refresh` seconds.
+text; only hidden fields' values are printed as they are (`exact`), escaped
+and with character references.
+A page asked with `?live=1` answers only its live part, which `static/live.js`
+swaps in every `refresh` seconds.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from flask import (
     request,
     url_for,
 )
-from markupsafe import Markup
+from markupsafe import Markup, escape
 from werkzeug.exceptions import HTTPException
 
 from pgq.cli.parse import parse_age, parse_ids, parse_message_id
@@ -69,6 +71,18 @@ def _finalize(value: Any) -> Any:
     return visible(value)
 
 
+def _exact(value: Any) -> Markup:
+    """`{{ value|exact }}`: a hidden field's value as it is, not made `visible`: the
+    bulk forms carry the filter the page searched with, and an escaped tab (`\\t`)
+    would search for other rows. Escaped, and every character that is not
+    printable written as a character reference (`&#9;`), so the page holds none
+    raw; the browser sends the character itself back. (HTML reads the references
+    of C1 controls as Windows-1252 characters, and a browser sends a line break
+    as CR LF: those alone do not come back as they were.)"""
+    text = str(escape(str(value)))
+    return Markup("".join(c if c.isprintable() else f"&#{ord(c)};" for c in text))
+
+
 def _duration(seconds: float) -> str:
     """`300` -> `5 min`, `3600` -> `1 h`, `86400` -> `24 h`."""
     if seconds >= 3600:
@@ -106,6 +120,7 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
     app.config["MAX_CONTENT_LENGTH"] = MAX_BODY
     app.config["MAX_FORM_MEMORY_SIZE"] = MAX_BODY
     app.jinja_env.finalize = _finalize
+    app.jinja_env.filters["exact"] = _exact
     app.jinja_env.globals.update(
         ago=ago,
         when=_when,
