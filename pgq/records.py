@@ -255,8 +255,10 @@ class MessageFilter:
     path (`customer.id`: keys separated by dots) whose value, as text, is `value`
     (`{"n": 1}` matches `n` = `1`); `published_from` (inclusive) and
     `published_to` (exclusive) bound the message's `created_at`; `up_to` is the
-    highest message id (a confirmation page fixes it, so rows that die after it
-    was drawn are not swept up).
+    highest message id and `changed_by` the latest last change (`updated_at`,
+    the database clock): a confirmation page fixes both, so rows published or
+    dead after it was drawn are not swept up (a row's death is a change, and an
+    older row may die later: decision 0041).
     """
 
     message_id: int | None = None
@@ -269,6 +271,7 @@ class MessageFilter:
     published_from: dt.datetime | None = None
     published_to: dt.datetime | None = None
     up_to: int | None = None
+    changed_by: dt.datetime | None = None
 
     def shape(self) -> frozenset[str]:
         """The names of the fields given (statements are built once per shape), with

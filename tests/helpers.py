@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, func, select, update
 
 import pgq
 from pgq import schema as t
@@ -358,6 +358,7 @@ def kill(engine: Engine, ids: list[int], error_class: str, **values: Any) -> Non
         "error_epoch": 0,
         # systemic failures are the outage's charges; any other failure clears them
         "refundable_attempts": 3 if error_class == "systemic" else 0,
+        "updated_at": func.now(),  # a death is a change (outcomes stamp it so)
         **values,
     }
     set_rows(engine, ids, **fields)

@@ -8,7 +8,7 @@ of a `pgq.records.MessageFilter` split in two:
   the partial indexes of ready, leased and failed rows can serve it) and the
   error class (a key of the failed-rows index); `up_to`;
 - read row by row, without an index (no schema change for search): the key, a
-  payload field, the error text, the publishing time.
+  payload field, the error text, the publishing time, the last change.
 
 A page with only the first kind walks the primary key (or one of those indexes)
 until it has its rows. With the second kind a sparse match could walk the whole
@@ -56,7 +56,9 @@ ERROR_SHOWN = 300
 PAYLOAD_SHOWN = 160
 """Characters of the payload's JSON text a page row carries."""
 
-UNINDEXED = frozenset({"key", "error", "field", "value", "published_from", "published_to"})
+UNINDEXED = frozenset(
+    {"key", "error", "field", "value", "published_from", "published_to", "changed_by"}
+)
 """The filters read row by row (see the module docstring): a page with any of them
 looks through a bounded window."""
 
@@ -79,6 +81,8 @@ def delivery_matches(shape: frozenset[str]) -> list[ColumnElement[bool]]:
                 where.append(d.c.error_class.is_not(None))
     if "error_class" in shape:
         where.append(d.c.error_class == bindparam("f_error_class", type_=Text))
+    if "changed_by" in shape:
+        where.append(d.c.updated_at <= bindparam("f_changed_by", type_=TIMESTAMP(True)))
     if "error" in shape:
         needle = func.lower(bindparam("f_error", type_=Text))
         where.append(func.strpos(func.lower(d.c.last_error), needle) > 0)
@@ -133,10 +137,10 @@ def window_end(shape: frozenset[str], descending: bool) -> Select[Any]:
     after it: two rows while rows are left past the window, else fewer (then the
     window is the rest of the group).
 
-    The text filters are left out on purpose: this walk is what bounds a page's
-    cost, so it must not itself read every row's error text.
+    The text filters (and `changed_by`) are left out on purpose: this walk is what
+    bounds a page's cost, so it must not itself read every row's error text.
     """
-    cheap = shape - {"error", "bound"}
+    cheap = shape - {"error", "changed_by", "bound"}
     return (
         select(d.c.message_id)
         .where(*delivery_matches(cheap), *_bounds(cheap, descending))
@@ -205,11 +209,15 @@ def page(shape: frozenset[str], descending: bool) -> Select[Any]:
 
 @cache
 def count_matching(shape: frozenset[str]) -> Executable:
-    """How many delivery rows of group `:gid` match a filter of `shape`, and the
-    highest id among them (a bulk action's confirmation shows the one and fixes
-    the other as the filter's `up_to`)."""
+    """How many delivery rows of group `:gid` match a filter of `shape`, the highest
+    id and the latest `updated_at` among them (a bulk action's confirmation shows
+    the one and fixes the others as the filter's `up_to` and `changed_by`)."""
     return (
-        select(func.count().label("n"), func.max(d.c.message_id).label("up_to"))
+        select(
+            func.count().label("n"),
+            func.max(d.c.message_id).label("up_to"),
+            func.max(d.c.updated_at).label("changed_by"),
+        )
         .select_from(d.join(m, m.c.id == d.c.message_id))
         .where(*delivery_matches(shape), *message_matches(shape))
     )

@@ -3,8 +3,9 @@
 `find` reads one keyset page of a group's delivery rows that match a
 `pgq.records.MessageFilter` (statements in `pgq.sql.messages`, where the
 bounded search window is explained); `count_matching` counts the rows a bulk
-action would touch. `check_filter` validates a filter at this boundary, so a
-bad value is a `UsageError` (a 400 on the page), never a database error.
+action would touch, and `fix_matching` also bounds the filter to them.
+`check_filter` validates a filter at this boundary, so a bad value is a
+`UsageError` (a 400 on the page), never a database error.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ __all__ = [
     "dead_filter",
     "filter_params",
     "find",
+    "fix_matching",
 ]
 
 MAX_MESSAGE_ID = 2**63 - 1
@@ -123,6 +125,7 @@ def check_filter(f: MessageFilter) -> MessageFilter:
             )
     _time("published from", f.published_from)
     _time("published to", f.published_to)
+    _time("changed by", f.changed_by)
     return f
 
 
@@ -132,6 +135,7 @@ def filter_params(f: MessageFilter, gid: int) -> dict[str, Any]:
         "gid": gid,
         "f_message_id": f.message_id,
         "f_up_to": f.up_to,
+        "f_changed_by": f.changed_by,
         "f_error_class": f.error_class,
         "f_error": f.error,
         "f_key": f.key,
@@ -205,11 +209,24 @@ def find(
 def count_matching(engine: Engine, group: str, f: MessageFilter) -> tuple[int, int | None]:
     """How many of `group`'s delivery rows match `f`, and the highest id among them
     (None when none does). Raises `UnknownGroup`, and `UsageError` for a bad filter."""
+    n, fixed = fix_matching(engine, group, f)
+    return n, None if fixed is None else fixed.up_to
+
+
+def fix_matching(engine: Engine, group: str, f: MessageFilter) -> tuple[int, MessageFilter | None]:
+    """How many of `group`'s delivery rows match `f`, and `f` bounded to exactly
+    those rows as far as rows can be told apart later: `up_to` their highest id
+    and `changed_by` their latest `updated_at` (None when none matches). A bulk
+    change of the bounded filter leaves alone the rows published, and the rows
+    dead, after this count (decision 0041). Raises `UnknownGroup`, and
+    `UsageError` for a bad filter."""
     check_filter(f)
     with snapshot(engine) as conn:
         params = filter_params(f, group_info(conn, group).id)
         row = conn.execute(q.count_matching(f.shape()), params).one()
-    return int(row.n), None if row.up_to is None else int(row.up_to)
+    if row.up_to is None:
+        return int(row.n), None
+    return int(row.n), replace(f, up_to=int(row.up_to), changed_by=row.changed_by)
 
 
 def dead_filter(f: MessageFilter) -> MessageFilter:

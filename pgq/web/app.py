@@ -321,12 +321,12 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
 
     def _matching() -> MessageFilter | None:
         """The filter of an "every dead row that matches" form (`match=1`), its
-        `upto` required (the confirmation fixed it), else None."""
+        `upto` and `changed` required (the confirmation fixed them), else None."""
         if request.form.get("match") != "1":
             return None
         f = parse_filter(request.form)
-        if f.up_to is None:
-            abort(400, "a change of every row that matches needs the confirmation's upto")
+        if f.up_to is None or f.changed_by is None:
+            abort(400, "a change of every row that matches needs the confirmation's bounds")
         return f
 
     @app.post("/groups/<name>/requeue")
@@ -385,14 +385,14 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
         f = parse_filter(request.form)
         dead = replace(f, state=RowState.DEAD.value)
         if request.form.get("scope") == "filter":
-            count, up_to = dashboard.count(name, dead)
+            count, fixed = dashboard.count(name, dead)
             return _page(
                 "confirm.html",
                 name=name,
                 action=action,
                 count=count,
                 ids=None,
-                match={**filter_args(dead), "upto": str(up_to)} if up_to else None,
+                match=filter_args(fixed) if fixed else None,
                 back=filter_args(f),
             )
         ids = _selected()

@@ -34,11 +34,12 @@ FILTER_ARGS = {
     "from": "published_from",
     "to": "published_to",
     "upto": "up_to",
+    "changed": "changed_by",
 }
 """Query argument -> `MessageFilter` field."""
 
 _INTS = frozenset({"message_id", "up_to"})
-_TIMES = frozenset({"published_from", "published_to"})
+_TIMES = frozenset({"published_from", "published_to", "changed_by"})
 
 
 def _int(arg: str, text: str) -> int:

@@ -5,7 +5,7 @@ No statement of its own: the overview is `status_all` (plus the pending/real
 split of `check` for groups with dead rows), the group page `status`,
 `breaker_info`, `check` with its dead split and `audit`, the message page
 `message`, the messages page `pgq.store.messages.find` (a keyset page of a
-filter), a bulk action's confirmation `count_matching`, the topics page
+filter), a bulk action's confirmation `fix_matching`, the topics page
 `pgq topics`'s `topics`.
 `Dashboard` also keeps the charts' `History`, fed by the sampler thread and
 by every overview it reads.
@@ -276,9 +276,10 @@ class Dashboard:
         found = listing(engine, group, f, position, scan)
         return {"listing": found, "now": found.now}
 
-    def count(self, group: str, f: MessageFilter) -> tuple[int, int | None]:
-        """How many of `group`'s rows match `f`, and the highest id among them."""
-        return self._within(store_messages.count_matching, group, f)
+    def count(self, group: str, f: MessageFilter) -> tuple[int, MessageFilter | None]:
+        """How many of `group`'s rows match `f`, and `f` bounded to those rows
+        (`pgq.store.messages.fix_matching`)."""
+        return self._within(store_messages.fix_matching, group, f)
 
     def topics(self) -> dict[str, Any]:
         """Every topic, as `pgq topics` lists it, and the database clock."""

@@ -339,6 +339,7 @@ def test_a_filter_goes_to_the_url_and_back_unchanged():
         published_from=dt.datetime(2026, 1, 31, 14, 5, tzinfo=dt.timezone.utc),
         published_to=dt.datetime(2026, 2, 1, tzinfo=dt.timezone(dt.timedelta(hours=2))),
         up_to=99,
+        changed_by=dt.datetime(2026, 2, 1, 3, 4, 5, 123456, tzinfo=dt.timezone.utc),
     )
     assert parse_filter(filter_args(f)) == f
     assert parse_filter({"id": "", "key": "", "state": ""}) == MessageFilter()
