@@ -219,6 +219,9 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
         data["window"] = request.args.get("window", "auto")
         done = request.args.get("done", type=int)
         result = next((a for a in data["audit"] if a["id"] == done), None)
+        nothing = request.args.get("none")
+        if result is None and nothing in ("requeue", "purge"):
+            result = {"action": nothing, "count": 0, "id": None}  # a change that changed nothing
         kept = max(request.args.get("kept", 0, type=int) or 0, 0)
         return _page("group.html", name=name, data=data, result=result, kept=kept)
 
@@ -348,7 +351,8 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
             if not ids:
                 abort(400, "give the message ids to requeue, or tick 'every dead row'")
             result = store_admin.requeue(dashboard.engine, name, ids, reason=reason, actor=actor)
-        return _done(name, f"requeued {result.count}{_audited(result.audit_id)}", result.audit_id)
+        text = f"requeued {result.count}{_audited(result.audit_id)}"
+        return _done(name, "requeue", text, result.audit_id)
 
     @app.post("/groups/<name>/purge")
     def purge(name: str) -> Any:
@@ -371,7 +375,7 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
         )
         kept = f", kept {result.kept} pending reconciliation" if result.kept else ""
         text = f"purged {result.count}{kept}{_audited(result.audit_id)}"
-        return _done(name, text, result.audit_id, kept=result.kept)
+        return _done(name, "purge", text, result.audit_id, kept=result.kept)
 
     @app.post("/groups/<name>/messages/confirm")
     def confirm(name: str) -> Any:
@@ -430,13 +434,16 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
         """The audit row a change wrote, for its answer (none when it changed nothing)."""
         return "" if audit_id is None else f" (audit {audit_id})"
 
-    def _done(name: str, text: str, audit_id: int | None, **shown: int) -> Any:
+    def _done(name: str, action: str, text: str, audit_id: int | None, **shown: int) -> Any:
         """A change's answer: for a browser a 303 to the group page, which says what was
-        done (a reload of a POST's answer would post it again; docs/defects.md);
+        done (a reload of a POST's answer would post it again; docs/defects.md),
+        also when it changed nothing (`none=<action>`: no audit row to read it from);
         for a script (`Authorization: Bearer`) the result page itself."""
         if request.headers.get("Authorization", "").startswith("Bearer "):
             return _page("done.html", name=name, text=text)
         values: dict[str, Any] = {k: v for k, v in shown.items() if v}
+        if audit_id is None:
+            values["none"] = action
         return redirect(url_for("group", name=name, done=audit_id, **values), 303)
 
     @app.route("/login", methods=["GET", "POST"])
