@@ -90,7 +90,9 @@ class Listing:
 
 
 def listing(engine: Engine, group: str, f: MessageFilter, position: Position, scan: int) -> Listing:
-    """The page `position` asks for: a `prev` page is read backwards and turned round."""
+    """The page `position` asks for: a `prev` page is read backwards and turned round.
+    An empty page links back (or on) to the page that holds the row it started
+    from: `next=5` found nothing, so "previous" is `prev=6`, the rows up to 5."""
     after, before, descending, backwards = position.bounds()
     page = store_messages.find(
         engine,
@@ -104,13 +106,20 @@ def listing(engine: Engine, group: str, f: MessageFilter, position: Position, sc
     )
     rows = page.rows
     onward = page.last_id if page.more else None
+    step = -1 if position.descending else 1  # from a row to the bound just past it
     if not backwards:
         came = position.next
-        back = None if came is None else (rows[0].message_id if rows else came)
+        back = None if came is None else (rows[0].message_id if rows else _id(came + step))
         return Listing(page.group, page.topic, rows, onward, back, page.searched_to, page.now)
     rows = rows[::-1]
-    forth = rows[-1].message_id if rows else page.searched_to
+    assert position.prev is not None
+    forth = rows[-1].message_id if rows else _id(position.prev - step)
     return Listing(page.group, page.topic, rows, forth, onward, page.searched_to, page.now)
+
+
+def _id(value: int) -> int | None:
+    """`value` if it can be a message id (a page bound), else None."""
+    return value if 1 <= value <= store_messages.MAX_MESSAGE_ID else None
 
 
 @dataclass

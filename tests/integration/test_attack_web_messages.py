@@ -213,6 +213,22 @@ def test_the_previous_page_of_an_empty_search_window_shows_the_row_before_it(eng
     assert [r.message_id for r in back.rows] == [ids[1]], (back.rows, back.next, back.prev)
 
 
+@pytest.mark.parametrize("descending", [False, True], ids=["oldest first", "newest first"])
+def test_an_empty_previous_page_links_on_to_the_row_it_started_from(engine, descending):
+    """The rows before a page went (requeued, say) and its "previous" link finds
+    nothing: that empty page's "next" link must lead back to the row it started
+    from (it had none without a search window: the row could be reached only from
+    the first page)."""
+    group(engine)
+    ids = pgq.publish_many(engine, "t", [{"n": n} for n in ("x", "y", "x")])
+    kill(engine, ids, "message")
+    f = MessageFilter(state="dead", field="n", value="y")
+    empty = listing(engine, "g", f, Position(descending=descending, prev=ids[1]), scan=5)
+    assert empty.rows == () and empty.next is not None, (empty.next, empty.prev)
+    on = listing(engine, "g", f, Position(descending=descending, next=empty.next), scan=5)
+    assert [r.message_id for r in on.rows] == [ids[1]], (on.rows, on.next, on.prev)
+
+
 # -- bulk actions ---------------------------------------------------------------------
 
 
