@@ -384,3 +384,17 @@ def test_positions_read_prev_pages_backwards():
     for bad in ({"order": "up"}, {"limit": "0"}, {"limit": "501"}, {"next": "1", "prev": "2"}):
         with pytest.raises(UsageError):
             parse_position(bad)
+
+
+def test_a_requeue_form_of_as_many_ids_as_an_audit_row_lists_fits_in_a_body():
+    """MAX_BODY's promise for the largest ids, each a ticked checkbox's field, with a
+    reason and the CSRF token."""
+    import urllib.parse
+
+    from pgq.store.admin import MAX_LISTED_IDS
+    from pgq.store.messages import MAX_MESSAGE_ID
+    from pgq.web.app import MAX_BODY
+
+    ids = [("ids", str(MAX_MESSAGE_ID - i)) for i in range(MAX_LISTED_IDS)]
+    form = [*ids, ("csrf", "x" * 43), ("reason", "billing is back " * 100)]
+    assert len(urllib.parse.urlencode(form)) <= MAX_BODY
