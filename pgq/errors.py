@@ -119,6 +119,10 @@ class RetryLater(Exception):
         super().__init__(message or f"retry later in {self.delay:g}s")
 
 
+class HandlerEndedTransaction(PgqError):
+    """A transactional handler asked to commit, roll back or close pgq's transaction."""
+
+
 class PartialFailure(Exception):
     """Raised by a transactional batch handler (`batch_handler=`): the messages named
     by id failed, each with its exception. The batch's writes all roll back; the named
