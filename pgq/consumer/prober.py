@@ -33,7 +33,7 @@ from pgq.consumer.acker import write_outcomes
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
 from pgq.consumer.timing import HANDLER
-from pgq.consumer.transactions import Ended
+from pgq.consumer.transactions import Ended, commit_settled
 from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.logcontext import carrying, get_logger
 from pgq.records import (
@@ -280,7 +280,7 @@ class Prober(Role):
 
         try:
             outcome, written = self._run_probe(row, epoch, succeed)
-            if closes and closes[-1] is not None:
+            if written and closes and closes[-1] is not None:  # a close that committed
                 self.gate.see_group(BreakerState.CLOSED, closes[-1], by="probe")
             if lost and outcome.kind == OutcomeKind.DONE:
                 # it succeeded but may not close: free the slot for the member that
@@ -324,7 +324,9 @@ class Prober(Role):
                 exc = ConnectionError("the transactional probe did not run to its end")
                 outcome = m.handling.failure(row, exc)
             elif attempt.ended == Ended.UNKNOWN:
-                settled = self.conn.retrying(m.store.settled, [attempt.outcome])
+                settled = commit_settled(
+                    self.conn, m.store, [attempt.outcome], attempt.backend, m.halt
+                )
                 return attempt.outcome, row.lease in settled
             else:
                 outcome = attempt.outcome

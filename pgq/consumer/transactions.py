@@ -22,6 +22,8 @@ to use.
 from __future__ import annotations
 
 import enum
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,10 +33,42 @@ from pgq.consumer.handling import Handling
 from pgq.errors import DatabaseUnavailable, HandlerEndedTransaction, PartialFailure, PgqError
 from pgq.logcontext import get_logger
 from pgq.records import Claimed, Lease, Outcome, OutcomeKind
-from pgq.store import wrap_errors
+from pgq.store import GroupStore, RoleConnection, wrap_errors
 from pgq.store.transaction_guard import IDLE_AFTER_HANDLER_MIN, TransactionGuard
 
 logger = get_logger("pgq.consumer")
+
+
+BACKEND_GONE_WAIT = 30.0
+"""Seconds to wait for the server process of a commit whose answer was lost to end,
+before reading what the commit did."""
+
+
+def commit_settled(
+    conn: RoleConnection,
+    store: GroupStore,
+    done: list[Outcome],
+    backend: int | None,
+    stop: threading.Event,
+) -> set[Lease]:
+    """Of successes whose commit's answer was lost, those it committed. The server
+    process the commit went to (`backend`) may still be running it (a slow trigger, a
+    synchronous replica): it is ended, and waited for, before the rows can tell (gone,
+    or done under this lease). Unknown for good (the database stays away, the process
+    lingers): none counted done; a lease then expires and the message runs again if
+    the commit did not happen."""
+    try:
+        if backend is not None:
+            conn.retrying(store.end_backend, backend)
+            deadline = time.monotonic() + BACKEND_GONE_WAIT
+            while conn.retrying(store.backend_alive, backend):
+                if time.monotonic() >= deadline or stop.wait(0.05):
+                    logger.warning("commit unknown: backend %d still there", backend)
+                    return set()
+        return conn.retrying(store.settled, done)
+    except PgqError as exc:
+        logger.warning("commit unknown ids=%s error=%s", [o.claimed.id for o in done], exc)
+        return set()
 
 
 class Ended(enum.Enum):

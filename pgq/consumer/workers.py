@@ -20,8 +20,7 @@ from pgq.consumer.acker import Acker
 from pgq.consumer.gate import Gate
 from pgq.consumer.member import Member, Role
 from pgq.consumer.timing import HANDLER
-from pgq.consumer.transactions import Ended, Transactions
-from pgq.errors import PgqError
+from pgq.consumer.transactions import Ended, Transactions, commit_settled
 from pgq.logcontext import get_logger
 from pgq.records import Claimed, Lease, Outcome, OutcomeKind
 from pgq.store import RoleConnection
@@ -32,9 +31,6 @@ Clock = Callable[[], float]
 
 DONE = OutcomeKind.DONE
 
-BACKEND_GONE_WAIT = 30.0
-"""Seconds a worker waits for the server process of a commit whose answer was lost to
-end, before it reads what the commit did."""
 
 IDLE_WAIT = 5.0
 """Seconds an idle worker sleeps between checks (few wake-ups when idle)."""
@@ -147,7 +143,10 @@ class Worker(Role):
             return
         self._finished(started)
         unknown = [a.outcome for a in attempts if a.ended == Ended.UNKNOWN]
-        settled = self._settled(unknown, attempts[0].backend) if unknown else set()
+        settled = set()
+        if unknown:
+            conn = RoleConnection(m.links.work, "worker", m.halt)
+            settled = commit_settled(conn, m.store, unknown, attempts[0].backend, m.halt)
         released = False
         for attempt in attempts:
             outcome, ended = attempt.outcome, attempt.ended
@@ -172,27 +171,6 @@ class Worker(Role):
         if not written:
             logger.warning("outcome refused id=%d reason=lease lost (rolled back)", done.claimed.id)
             m.count_refused(done)
-
-    def _settled(self, done: list[Outcome], backend: int | None) -> set[Lease]:
-        """Of successes whose commit's answer was lost, those it committed. The server
-        process the commit went to may still be running it (a slow trigger): it is
-        ended, and waited for, before the rows can tell (gone, or done under this
-        lease). Unknown for good (the database stays away): none counted done; a lease
-        then expires and the message runs again if the commit did not happen."""
-        m = self.member
-        conn = RoleConnection(m.links.work, "worker", m.halt)
-        try:
-            if backend is not None:
-                conn.retrying(m.store.end_backend, backend)
-                deadline = time.monotonic() + BACKEND_GONE_WAIT
-                while conn.retrying(m.store.backend_alive, backend):
-                    if time.monotonic() >= deadline or m.halt.wait(0.05):
-                        logger.warning("commit unknown: backend %d still there", backend)
-                        return set()
-            return conn.retrying(m.store.settled, done)
-        except PgqError as exc:
-            logger.warning("commit unknown ids=%s error=%s", [o.claimed.id for o in done], exc)
-            return set()
 
     def abandon_if_overdue(self, now: float, timeout: float) -> tuple[list[Outcome], float] | None:
         """If the running handler is past `timeout`, abandon it; return its outcomes
