@@ -124,13 +124,17 @@ def inject(span: Span, headers: Mapping[str, Any] | None) -> dict[str, Any] | No
     return carrier or None
 
 
-def extract(headers: Mapping[str, Any] | None) -> Any:
-    """The context a message's headers carry (an empty context without one); header
-    values that are not text are ignored."""
-    if not headers or TRACEPARENT not in headers:
+def extract(headers: object) -> Any:
+    """The context a message's headers carry, or None. Stored headers are any JSON
+    (decision 0036): only an object's text values are read, and what a propagator
+    cannot read is no context; never raises."""
+    if not isinstance(headers, dict) or TRACEPARENT not in headers:
         return None
     carrier = {k: v for k, v in headers.items() if isinstance(v, str)}
-    return propagate.extract(carrier)
+    try:
+        return propagate.extract(carrier)
+    except Exception:  # a custom propagator's error must not fail the message
+        return None
 
 
 # --- consuming -------------------------------------------------------------------

@@ -46,6 +46,9 @@ def traced(provider: TracerProvider, monkeypatch: pytest.MonkeyPatch) -> trace.T
     return tracer
 
 
+NOW = dt.datetime.now(dt.timezone.utc)
+
+
 def traceparent(span: Any) -> str:
     c = span.get_span_context()
     return f"00-{c.trace_id:032x}-{c.span_id:016x}-{int(c.trace_flags):02x}"
@@ -276,3 +279,22 @@ def test_the_gate_tells_each_transition_once():
         ("pgq.breaker.local_probe_failed", {"pgq.breaker.epoch": 2}),
         ("pgq.breaker.local_closed", {"pgq.breaker.epoch": 2}),
     ]
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        "traceparent",  # JSON headers that are no object (decision 0036: hostile input)
+        ["traceparent"],
+        {"traceparent": "not a traceparent", "tracestate": "=,="},
+        {"traceparent": "00-" + "0" * 32 + "-" + "0" * 16 + "-01"},  # all-zero ids: invalid
+    ],
+)
+def test_hostile_headers_give_a_root_span_and_never_raise(provider, exporter, headers):
+    r = row(1)._replace(message=Message(1, "orders", "billing", None, {}, headers, 1, NOW))
+    with consumer(provider).processing([r, row(2, headers)]) as span:
+        span.finished(None)
+    with consumer(provider).processing([r]) as span:
+        span.finished(Outcome(r, OutcomeKind.DONE))
+    batch, single = exporter.get_finished_spans()
+    assert single.parent is None and batch.links == ()
