@@ -23,6 +23,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pgq.logcontext import get_logger
 from pgq.records import Claimed, Outcome, OutcomeKind
 
 if TYPE_CHECKING:
@@ -36,6 +37,8 @@ except ImportError:  # the `otel` extra is not installed
     TRACING = False
 else:
     TRACING = True
+
+logger = get_logger(__name__)
 
 __all__ = [
     "TRACING",
@@ -255,10 +258,15 @@ class Processing:
 
 
 def record_exception(exc: BaseException) -> None:
-    """The handler's exception as an event of the current span (when one records)."""
+    """The handler's exception as an event of the current span (when one records).
+    Never raises: an exception that cannot be formatted (its attribute reads raise,
+    decision 0036) is left out; the outcome's error says what is known of it."""
     span = trace.get_current_span()
     if span.is_recording():
-        span.record_exception(exc)
+        try:
+            span.record_exception(exc)
+        except Exception:
+            logger.debug("exception not recorded on the span: it cannot be formatted")
 
 
 _TRACERS: list[Tracer] = []

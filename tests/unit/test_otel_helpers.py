@@ -298,3 +298,23 @@ def test_hostile_headers_give_a_root_span_and_never_raise(provider, exporter, he
         span.finished(Outcome(r, OutcomeKind.DONE))
     batch, single = exporter.get_finished_spans()
     assert single.parent is None and batch.links == ()
+
+
+class _Unreadable(Exception):
+    """Reading any attribute it lacks raises KeyError (an RPC error forwarding to its
+    payload): `traceback` cannot format it (decision 0036)."""
+
+    def __getattr__(self, name: str) -> object:
+        raise KeyError(name)
+
+
+def test_an_exception_that_cannot_be_formatted_is_not_recorded_and_does_not_raise(
+    provider, exporter
+):
+    r = row(1)
+    with consumer(provider).processing([r]) as span:
+        tracing.record_exception(_Unreadable("no"))  # Handling.failure calls this
+        tracing.record_exception(ValueError("readable"))
+        span.finished(Outcome(r, OutcomeKind.DEAD, error_class="message", error="x"))
+    [process] = exporter.get_finished_spans()
+    assert [e.attributes["exception.type"] for e in process.events] == ["ValueError"]
