@@ -30,6 +30,7 @@ from pgq.consumer.transactions import Transactions
 from pgq.errors import DatabaseUnavailable, DuplicateMember, UsageError
 from pgq.logcontext import get_logger, log_fields
 from pgq.names import check_member_name, check_name
+from pgq.otel.tracing import consumer_tracing
 from pgq.records import BreakerView, GroupInfo, RunSummary, StopReason
 from pgq.settings import ADAPTIVE, Settings, load_settings
 from pgq.store import (
@@ -253,6 +254,7 @@ class Consumer:
             wait_retries=wait_retries,
             timings=self._timings,
             numbers=self._numbers,
+            tracing=consumer_tracing(info.topic, self.group, self.name),
         )
         session = member_lock(links.session, info.id, self.name)
         try:
@@ -266,6 +268,8 @@ class Consumer:
             links.close()
             return
         gate = Gate(s, self.clock)
+        if member.tracing is not None:
+            gate.events = member.tracing.breaker_event
         view = joined
         gate.see_group(view.state, view.epoch)
         runtime = Runtime(member, gate, session, self.clock)

@@ -54,6 +54,9 @@ class Gate:
         self.epoch = 0
         self.tripped_epoch: int | None = None
         self._closed_at: float | None = None
+        self.events: Callable[[str, dict[str, object]], None] | None = None
+        """Told of each transition (name, attributes): the member's span events
+        (`pgq.otel`), when it traces."""
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call `listener` whenever a breaker changes (the fetcher wakes, the heartbeat
@@ -63,6 +66,11 @@ class Gate:
     def _changed(self) -> None:
         for listener in self._listeners:
             listener()
+
+    def _event(self, name: str, **attributes: object) -> None:
+        """A transition, for `events` (one per transition: never on the hot path)."""
+        if self.events is not None:
+            self.events(name, {f"pgq.breaker.{k}": v for k, v in attributes.items()})
 
     def nudge(self) -> None:
         """Tell the listeners to look again (a worker turned a row away)."""
@@ -113,11 +121,13 @@ class Gate:
             elif outcome.kind == DONE:
                 self.local.probe_result("success")
                 logger.info("local breaker closed after a successful probe id=%d", row.id)
+                self._event("pgq.breaker.local_closed", epoch=self.epoch)
                 self._changed()
             elif systemic:
                 self.local.probe_result("systemic")
                 with self._lock:
                     self.tripped_epoch = self.epoch
+                self._event("pgq.breaker.local_probe_failed", epoch=self.epoch)
                 self._changed()
             else:
                 self.local.probe_result("inconclusive")
@@ -132,6 +142,7 @@ class Gate:
                 self.epoch,
                 self.local.trips,
             )
+            self._event("pgq.breaker.local_open", epoch=self.epoch, trips=self.local.trips)
             self._changed()
 
     def probe_not_claimed(self) -> None:
@@ -159,7 +170,9 @@ class Gate:
             self.group_open = state == BreakerState.OPEN
         if state == BreakerState.OPEN:
             logger.warning("group breaker open epoch=%d", epoch, extra=cause)
+            self._event("pgq.breaker.group_open", epoch=epoch, **cause)
         elif was_open:
+            self._event("pgq.breaker.group_closed", epoch=epoch, **cause)
             logger.info("group breaker closed epoch=%d", epoch, extra=cause)
             self._closed_at = self.clock()
             if self.local.is_open:

@@ -19,6 +19,7 @@ from pgq.backoff import retry_delay
 from pgq.classify import Classification
 from pgq.errors import HandlerImportError, RetryLater
 from pgq.logcontext import get_logger
+from pgq.otel import tracing as otel
 from pgq.records import Claimed, ErrorClass, Message, Outcome, OutcomeKind
 from pgq.settings import Settings
 
@@ -99,7 +100,10 @@ class Handling:
 
         Never raises: an exception that cannot be read or classified (its attributes
         raise, its delay is no number) fails the attempt as `message`, saying so.
+        With the `otel` extra, `exc` is an event of the current span (the call's).
         """
+        if otel.TRACING and not isinstance(exc, RetryLater):
+            otel.record_exception(exc)
         try:
             return self._failure(row, exc)
         except Exception as broken:

@@ -13,6 +13,7 @@ from pgq.consumer.timing import Histogram, Timings
 from pgq.consumer.transactions import Transactions
 from pgq.errors import BadDsn, PermissionDenied, PgqError, SchemaMissing
 from pgq.logcontext import get_logger, log_fields
+from pgq.otel.tracing import ConsumerTracing
 from pgq.records import Claimed, Lease, Outcome, OutcomeKind, StopReason
 from pgq.settings import Settings
 from pgq.store import GroupStore, MemberLinks, RoleConnection
@@ -90,6 +91,9 @@ class Member:
     numbers: GroupNumbers | None = None
     """The group's numbers for the metrics, while they are served (`Consumer.measure()`):
     a maintenance task keeps them fresh (`pgq.consumer.numbers`)."""
+    tracing: ConsumerTracing | None = None
+    """Each handler call's CONSUMER span, with the `otel` extra and a tracer provider
+    set (`pgq.otel`); None otherwise, and then nothing is traced."""
 
     @property
     def name(self) -> str:

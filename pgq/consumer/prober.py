@@ -36,6 +36,7 @@ from pgq.consumer.timing import HANDLER
 from pgq.consumer.transactions import Ended, commit_settled
 from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.logcontext import carrying, get_logger
+from pgq.otel import tracing as otel
 from pgq.records import (
     BreakerState,
     BreakerView,
@@ -297,6 +298,18 @@ class Prober(Role):
         return outcome
 
     def _run_probe(
+        self, row: Claimed, epoch: int, succeed: Callable[[Connection], bool]
+    ) -> tuple[Outcome, bool]:
+        """`_handle_probe`, in a CONSUMER span when the member traces (`pgq.otel`)."""
+        tracing = self.member.tracing
+        if tracing is None:
+            return self._handle_probe(row, epoch, succeed)
+        with tracing.processing([row]) as span:
+            outcome, written = self._handle_probe(row, epoch, succeed)
+            span.finished([(outcome, str(outcome.kind) if written else otel.REFUSED)])
+            return outcome, written
+
+    def _handle_probe(
         self, row: Claimed, epoch: int, succeed: Callable[[Connection], bool]
     ) -> tuple[Outcome, bool]:
         """The handler on the probe row and its outcome written: (outcome, written).

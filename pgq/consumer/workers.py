@@ -22,6 +22,8 @@ from pgq.consumer.member import Member, Role
 from pgq.consumer.timing import HANDLER
 from pgq.consumer.transactions import Ended, Transactions, commit_settled
 from pgq.logcontext import get_logger
+from pgq.otel import tracing as otel
+from pgq.otel.tracing import ConsumerTracing, Result
 from pgq.records import Claimed, Lease, Outcome, OutcomeKind
 from pgq.store import RoleConnection
 
@@ -57,6 +59,7 @@ class Worker(Role):
         m = self.member
         batching = m.transactions is not None and m.transactions.batch
         batch_size = m.settings.batch_size
+        tracing = m.tracing  # set at start: nothing per message when None
         while not self.retired.is_set():
             row = m.pool.take(timeout=IDLE_WAIT)  # closing the pool wakes every worker
             if row is None:
@@ -66,10 +69,17 @@ class Worker(Role):
             if batching:
                 rows = [row, *m.pool.take_more(batch_size - 1)]
                 admitted = [r for r in rows if self._admit(r)]
-                if admitted:
+                if not admitted:
+                    continue
+                if tracing is None:
                     self.execute_batch(admitted)
+                else:
+                    self.traced(tracing, admitted, batch=True)
             elif self._admit(row):
-                self.execute(row)
+                if tracing is None:
+                    self.execute(row)
+                else:
+                    self.traced(tracing, [row], batch=False)
 
     def _admit(self, row: Claimed) -> bool:
         """The gate lets `row` run; else it is deferred, unstarted, for release."""
@@ -79,19 +89,26 @@ class Worker(Role):
         self.gate.nudge()  # the fetcher releases it
         return False
 
-    def execute(self, row: Claimed) -> None:
-        """Run the handler on one row and report its outcome (unless abandoned)."""
+    def traced(self, tracing: ConsumerTracing, rows: list[Claimed], *, batch: bool) -> None:
+        """`execute` (one row) or `execute_batch` in a CONSUMER span (`pgq.otel`)."""
+        with tracing.processing(rows) as span:
+            span.finished(self.execute_batch(rows) if batch else self.execute(rows[0]))
+
+    def execute(self, row: Claimed) -> Result:
+        """Run the handler on one row and report its outcome (unless abandoned: then
+        None); what it ended in."""
         started = self.clock()
         with self._lock:
             self.current = (row, started)
         transactions = self.member.transactions
         if transactions is not None:
-            self._execute_in_transaction(row, started, transactions)
-            return
+            return self._in_transaction([row], started, transactions)
         outcome = self.member.handling.run(row)
         if self._claim_attempt(row):
             self._finished(started)
             report(self.member, self.gate, self.acker, outcome)
+            return outcome
+        return None
 
     def _claim_attempt(self, row: Claimed) -> bool:
         """Take the running attempt back from the watchdog: False (and logged) when it
@@ -106,26 +123,22 @@ class Worker(Role):
         if self.handler_time is not None:
             self.handler_time.observe(self.clock() - started)
 
-    def execute_batch(self, rows: list[Claimed]) -> None:
+    def execute_batch(self, rows: list[Claimed]) -> Result:
         """A transactional batch handler on admitted `rows`: one transaction."""
         transactions = self.member.transactions
         assert transactions is not None
         started = self.clock()
         with self._lock:
             self.current = (rows, started)
-        self._in_transaction(rows, started, transactions)
-
-    def _execute_in_transaction(
-        self, row: Claimed, started: float, transactions: Transactions
-    ) -> None:
-        self._in_transaction([row], started, transactions)
+        return self._in_transaction(rows, started, transactions)
 
     def _in_transaction(
         self, rows: list[Claimed], started: float, transactions: Transactions
-    ) -> None:
+    ) -> list[tuple[Outcome, str]] | None:
         """A transactional handler on `rows`: successes commit with the handler's
         writes here; failures go to the acker as any handler's; rows rolled back
-        without a failure of their own go back to ready uncharged."""
+        without a failure of their own go back to ready uncharged. Returns what
+        became of each row, in words (`pgq.otel`): None when abandoned."""
         m = self.member
         done = [Outcome(row, DONE) for row in rows]
 
@@ -140,7 +153,7 @@ class Worker(Role):
         else:
             attempts = [transactions.run(rows[0], lambda conn: bool(write(conn)), proceed)]
         if attempts[0].ended == Ended.ABANDONED:
-            return
+            return None
         self._finished(started)
         unknown = [a.outcome for a in attempts if a.ended == Ended.UNKNOWN]
         settled = set()
@@ -148,19 +161,23 @@ class Worker(Role):
             conn = RoleConnection(m.links.work, "worker", m.halt)
             settled = commit_settled(conn, m.store, unknown, attempts[0].backend, m.halt)
         released = False
+        results: list[tuple[Outcome, str]] = []
         for attempt in attempts:
             outcome, ended = attempt.outcome, attempt.ended
             if ended == Ended.RELEASED:
                 m.defer(outcome.claimed)  # back to ready, uncharged: the fetcher releases it
                 released = True
+                results.append((outcome, otel.RELEASED))
             elif ended == Ended.FAILED:
                 report(m, self.gate, self.acker, outcome)
+                results.append((outcome, str(outcome.kind)))
             else:
-                self._committed(
-                    outcome, ended == Ended.COMMITTED or outcome.claimed.lease in settled
-                )
+                written = ended == Ended.COMMITTED or outcome.claimed.lease in settled
+                self._committed(outcome, written)
+                results.append((outcome, str(outcome.kind) if written else otel.REFUSED))
         if released:
             self.gate.nudge()
+        return results
 
     def _committed(self, done: Outcome, written: bool) -> None:
         """A success this worker wrote itself, with the handler's writes (or refused)."""

@@ -102,3 +102,12 @@ def test_there_is_no_import_circle():
     for name in sorted(graph):
         if name not in state:
             visit(name)
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_only_pgq_otel_imports_opentelemetry(name):
+    """The `otel` extra is optional: one package imports it, and guards the import."""
+    if name.startswith("pgq.otel"):
+        return
+    bad = {m for m in imports(name) if m.split(".")[0] == "opentelemetry"}
+    assert not bad, f"{name} imports {sorted(bad)}: go through pgq.otel"
