@@ -44,6 +44,10 @@ Modes (several may be given; `--compare` is the same as the mode `compare`):
   targets    every target of issue 20 in one run, in one table with a verdict
              each: compare (floor, pgqueuer-b100, pgqueuer), latency, slow
              handlers, backlog, table size, and scripts/bench_server_cpu.py
+  transactional  the cost of committing the effect with the ack: one backlog
+             drained by a plain handler that commits one row per message itself,
+             by a transactional handler and by a transactional batch handler
+             (one multi-row INSERT per batch); msgs/s and ratios to plain
 
 Examples (`python -m scripts.bench ...` from the checkout works too):
   .venv/bin/python scripts/bench targets --reps 5 --md docs/benchmarks.md
@@ -55,6 +59,7 @@ Examples (`python -m scripts.bench ...` from the checkout works too):
   .venv/bin/python scripts/bench backlog --n 20000,1000000 --reps 1
   .venv/bin/python scripts/bench tablesize --total 2000000 --chunk 100000
   .venv/bin/python scripts/bench profile --n 20000 --workers 64
+  .venv/bin/python scripts/bench transactional --reps 3
 
 The package, by concern:
 
@@ -69,5 +74,7 @@ The package, by concern:
   plans      EXPLAIN of pgq's hot statements: the one internal hook
   profiling  py-spy raw stacks -> CPU per message by thread role
   render     markdown tables, the run's footer, `--md` sections
+  targets    the mode `targets` (several modes, one table of verdicts)
+  transactional  the mode `transactional`: its child, its table
   common     names, paths, percentiles, the CPU/wall meter
 """

@@ -52,6 +52,7 @@ from scripts.bench.common import (
 )
 from scripts.bench.harness import collect, spawn_child
 from scripts.bench.plans import explain_paths, prepared_plans
+from scripts.bench.transactional import child_tx_consume
 
 
 def _engine(dsn: str, opts: dict) -> Any:
@@ -544,6 +545,7 @@ CHILDREN: dict[str, Callable[[Any, dict], dict]] = {
     "latency": lambda a, o: child_latency(a.dsn, a.n, o),
     "sustained": lambda a, o: child_sustained(a.dsn, a.n, o),
     "tablesize": lambda a, o: child_tablesize(a.dsn, a.n, o),
+    "tx-consume": lambda a, o: child_tx_consume(a.dsn, a.n, o),
 }
 
 

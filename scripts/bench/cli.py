@@ -21,9 +21,12 @@ from scripts.bench.harness import Server
 from scripts.bench.modes import DEFAULT_N, MODES, all_ok
 from scripts.bench.render import footer, write_md
 from scripts.bench.targets import mode_targets
+from scripts.bench.transactional import all_ok as transactional_ok
+from scripts.bench.transactional import mode_transactional
 
-RUNS = {**MODES, "targets": mode_targets}
-"""Every mode by name: `targets` runs several of the others (`scripts/bench/targets.py`)."""
+RUNS = {**MODES, "targets": mode_targets, "transactional": mode_transactional}
+"""Every mode by name: `targets` runs several of the others (`scripts/bench/targets.py`);
+`transactional` is in `scripts/bench/transactional.py`."""
 
 
 def ints(text: str) -> list[int]:
@@ -77,7 +80,7 @@ def parent_main(args: argparse.Namespace) -> int:
     if not modes:
         sys.exit(
             "nothing to do: give a mode (compare, publish, consume, latency, sustained, backlog, "
-            "tablesize, profile, targets) or --compare; see --help"
+            "tablesize, profile, targets, transactional) or --compare; see --help"
         )
     for m in modes:
         if m not in RUNS:
@@ -113,7 +116,7 @@ def parent_main(args: argparse.Namespace) -> int:
         write_md(Path(args.md), args.md_section or "+".join(modes), text)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str))
-    return 0 if all_ok(report) else 1
+    return 0 if all_ok(report) and transactional_ok(report) else 1
 
 
 def parser() -> argparse.ArgumentParser:
@@ -125,7 +128,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "modes",
         nargs="*",
-        help="compare, publish, consume, latency, sustained, backlog, tablesize, profile, targets",
+        help="compare, publish, consume, latency, sustained, backlog, tablesize, profile, targets, "
+        "transactional",
     )
     ap.add_argument(
         "--compare",

@@ -2,9 +2,11 @@
 
 Dagster's job runs in-process (`execute_in_process`): the publish op writes its whole
 batch in one transaction (a failure half-way publishes nothing), the drain op drains
-the group, an open breaker becomes Dagster's retry (what exit 75 is for cron), and a
-cancelled run leaves no row leased. The Airflow DAG's test runs only where Airflow is
-installed (it is not in the test extra: too heavy).
+the group, an open breaker becomes Dagster's retry (what exit 75 is for cron), a
+cancelled run leaves no row leased, and the land op (a transactional batch handler)
+writes each message's row into a table exactly once, a refused row failing alone.
+The Airflow DAG's test runs only where Airflow is installed (it is not in the test
+extra: too heavy).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import dagster as dg
 import pytest
+import sqlalchemy
 import yaml
 from fixtures.database import with_dbname
 from helpers import wait_until
@@ -214,6 +217,156 @@ def test_unreachable_database_retries_and_a_missing_database_fails(dagster_defs,
         error = failure.step_failure_data.error
         assert error is not None and error.cause is not None
         assert error.cause.cls_name == cause, (dsn, error.cause.cls_name)
+
+
+def landed(engine: Engine, schema: str, table: str = "landed") -> list[tuple[int, Any]]:
+    """The landing table's (message_id, payload) rows, by message id."""
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql(
+            f'SELECT message_id, payload FROM "{schema}"."{table}" ORDER BY message_id'
+        ).all()
+    return [(int(i), p) for i, p in rows]
+
+
+def published(engine: Engine, schema: str) -> list[tuple[int, Any]]:
+    """The topic's messages (id, payload) still in the table, by id."""
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql(f'SELECT id, payload FROM "{schema}".message ORDER BY id').all()
+    return [(int(i), p) for i, p in rows]
+
+
+def land(
+    defs: ModuleType,
+    instance: dg.DagsterInstance,
+    pg_dsn: str,
+    schema: str,
+    **settings: Any,
+) -> dg.ExecuteInProcessResult:
+    config = {"group": "g", "table": "landed", "table_schema": schema}
+    result: dg.ExecuteInProcessResult = defs.land.execute_in_process(
+        run_config={
+            "ops": {"land_group": {"config": {**config, "settings": {**FAST, **settings}}}}
+        },
+        resources={"queue": defs.PgqResource(dsn=pg_dsn, pgq_schema=schema)},
+        instance=instance,
+        raise_on_error=False,
+    )
+    return result
+
+
+def test_land_writes_each_message_once_with_its_ack(
+    dagster_defs, instance, engine, group, pg_dsn, schema
+):
+    """The transactional batch handler's job: every message's row in the table once,
+    committed with its ack; a second run lands nothing more."""
+    pgq.publish_many(engine, "t", [{"i": i} for i in range(47)])
+    messages = published(engine, schema)  # before the acks delete them
+    result = land(dagster_defs, instance, pg_dsn, schema, batch_size=10)
+    assert result.success
+    summary = result.output_for_node("land_group")
+    assert summary["done"] == 47 and summary["stop_reason"] == "empty"
+    assert landed(engine, schema) == messages
+    s = pgq.status(engine, group)
+    assert s["counts"] == {"ready": 0, "leased": 0, "done": 47, "dead": 0, "dead_systemic": 0}
+    pgq.publish_many(engine, "t", [{"i": i} for i in range(47, 50)])
+    messages += published(engine, schema)[-3:]
+    again = land(dagster_defs, instance, pg_dsn, schema)
+    assert again.success and again.output_for_node("land_group")["done"] == 3
+    assert landed(engine, schema) == messages
+
+
+def test_land_fails_only_the_row_the_table_refuses(
+    dagster_defs, instance, engine, group, pg_dsn, schema
+):
+    """A row the table refuses (here a CHECK the user added) fails its message alone
+    (`PartialFailure`): its batch-mates land, uncharged; nothing lands twice."""
+    table = dagster_defs.landing_table("landed", schema)
+    table.append_constraint(sqlalchemy.CheckConstraint("payload->>'i' <> '13'"))
+    table.create(engine)
+    pgq.publish_many(engine, "t", [{"i": i} for i in range(30)])
+    messages = published(engine, schema)
+    refused = messages[13][0]
+    result = land(dagster_defs, instance, pg_dsn, schema, batch_size=10, max_attempts=1)
+    assert result.success
+    assert landed(engine, schema) == [m for m in messages if m[0] != refused]
+    # max_attempts=1: a batch-mate charged for the refused row would be dead too
+    s = pgq.status(engine, group)
+    assert s["counts"] == {"ready": 0, "leased": 0, "done": 29, "dead": 1, "dead_systemic": 0}
+    with engine.connect() as conn:
+        dead = conn.exec_driver_sql(
+            f"SELECT message_id, attempts, error_class, last_error"
+            f" FROM \"{schema}\".delivery WHERE state = 'dead'"
+        ).all()
+    assert [(int(i), a, c) for i, a, c, _ in dead] == [(refused, 1, "message")]
+    assert "landed_check" in dead[0][3] or "check constraint" in dead[0][3], dead[0][3]
+
+
+def test_cancelled_land_leaves_table_and_group_agreeing(
+    dagster_defs, instance, engine, group, pg_dsn, schema
+):
+    """A land run cancelled mid-way (Dagster's Terminate: SIGINT in the op) stops with
+    every acknowledged message's row in the table and no other; the next run lands
+    the rest, nothing twice."""
+    assert threading.current_thread() is threading.main_thread()  # signals reach this thread
+    dagster_defs.landing_table("landed", schema).create(engine)
+    with engine.begin() as conn:  # each row takes a while: the cancel comes mid-run
+        conn.exec_driver_sql(
+            f'CREATE FUNCTION "{schema}".slow() RETURNS trigger LANGUAGE plpgsql AS'
+            " $$BEGIN PERFORM pg_sleep(0.01); RETURN NEW; END$$;"
+            f' CREATE TRIGGER slow BEFORE INSERT ON "{schema}".landed'
+            f' FOR EACH ROW EXECUTE FUNCTION "{schema}".slow()'
+        )
+    pgq.publish_many(engine, "t", [{"i": i} for i in range(200)])
+    messages = published(engine, schema)
+    run_id = str(uuid.uuid4())
+
+    def cancel_once_some_landed() -> None:
+        wait_until(lambda: landed(engine, schema), 30, "a first batch lands")
+        run = instance.get_run_by_id(run_id)
+        assert run is not None
+        instance.report_run_canceling(run)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    canceller = threading.Thread(target=cancel_once_some_landed)
+    canceller.start()
+    try:
+        result = dagster_defs.land.execute_in_process(
+            run_config={
+                "ops": {
+                    "land_group": {
+                        "config": {
+                            "group": "g",
+                            "table": "landed",
+                            "table_schema": schema,
+                            "settings": {**FAST, "batch_size": 10, "prefetch": 10},
+                        }
+                    }
+                }
+            },
+            resources={"queue": dagster_defs.PgqResource(dsn=pg_dsn, pgq_schema=schema)},
+            instance=instance,
+            raise_on_error=False,
+            run_id=run_id,
+        )
+    finally:
+        canceller.join(30)
+    assert result.dagster_run.status == dg.DagsterRunStatus.CANCELED
+    s = pgq.status(engine, group)
+    assert s["counts"]["leased"] == 0 and s["counts"]["dead"] == 0
+    assert 0 < s["counts"]["done"] < 200, s["counts"]
+    with engine.connect() as conn:
+        waiting = {
+            int(i)
+            for (i,) in conn.exec_driver_sql(
+                f"SELECT message_id FROM \"{schema}\".delivery WHERE state <> 'done'"
+            )
+        }
+    # acknowledged (no delivery row left) exactly when its row landed
+    assert landed(engine, schema) == [m for m in messages if m[0] not in waiting]
+    assert len(waiting) == s["counts"]["ready"]
+    again = land(dagster_defs, instance, pg_dsn, schema)
+    assert again.success
+    assert landed(engine, schema) == messages
 
 
 CANCEL: dict[str, Any] = {}
