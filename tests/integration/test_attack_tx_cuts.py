@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
-from helpers import FAST, rows, wait_until
+from helpers import FAST, TX_OUTAGE, commit_waiting, commits_wait, rows, wait_until
 from sqlalchemy import Connection, Engine, text
 
 import pgq
@@ -48,40 +48,6 @@ def done_count(engine: Engine) -> int:
     return int(pgq.status(engine, "billing")["counts"]["done"])
 
 
-def commits_wait(engine: Engine, schema: str) -> None:
-    """Deferred triggers: every transaction that ends a lease of `delivery` (an ack)
-    waits, at its COMMIT, for `COMMIT_LOCK`."""
-    key = ", ".join(map(str, COMMIT_LOCK))
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                f'CREATE FUNCTION "{schema}".commit_waits() RETURNS trigger LANGUAGE plpgsql'
-                f" AS $$ BEGIN PERFORM pg_advisory_xact_lock_shared({key}); RETURN NULL; END $$"
-            )
-        )
-        for event, when in (
-            ("UPDATE", "OLD.lease_owner IS NOT NULL AND NEW.lease_owner IS NULL"),
-            ("DELETE", "OLD.lease_owner IS NOT NULL"),
-        ):
-            conn.execute(
-                text(
-                    f"CREATE CONSTRAINT TRIGGER commit_waits_{event.lower()} AFTER {event}"
-                    f' ON "{schema}".delivery DEFERRABLE INITIALLY DEFERRED FOR EACH ROW'
-                    f' WHEN ({when}) EXECUTE FUNCTION "{schema}".commit_waits()'
-                )
-            )
-
-
-def commit_waiting(holder: psycopg.Connection) -> bool:
-    found = holder.execute(
-        "SELECT count(*) FROM pg_locks l JOIN pg_database db ON db.oid = l.database"
-        " WHERE db.datname = current_database() AND l.locktype = 'advisory'"
-        " AND l.classid = %s AND l.objid = %s AND l.objsubid = 2 AND NOT l.granted",
-        COMMIT_LOCK,
-    ).fetchone()
-    return found is not None and found[0] > 0
-
-
 @pytest.fixture
 def holder(pg_dsn: str) -> Iterator[psycopg.Connection]:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -103,7 +69,7 @@ def test_a_commit_whose_answer_was_lost_counts_as_done(
     answer arrives: the row tells the worker it happened, so it counts done (not
     refused), and the effect is there once."""
     ids = pgq.publish_many(orders, "orders", [{"n": 1}])
-    commits_wait(orders, schema)
+    commits_wait(orders, schema, COMMIT_LOCK)
     holder.execute("SELECT pg_advisory_lock(%s, %s)", COMMIT_LOCK)
     through = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
 
@@ -113,7 +79,7 @@ def test_a_commit_whose_answer_was_lost_counts_as_done(
     consumer = pgq.Consumer(through, "billing", handler, transactional=True, lease=3.0, **FAST)
     consumer.start()
     try:
-        wait_until(lambda: commit_waiting(holder), WAIT, "the commit to wait")
+        wait_until(lambda: commit_waiting(holder, COMMIT_LOCK), WAIT, "the commit to wait")
         proxy.stall()  # the commit's answer stays in the proxy
         holder.execute("SELECT pg_advisory_unlock(%s, %s)", COMMIT_LOCK)
         wait_until(lambda: done_count(orders) == 1, WAIT, "the commit")
@@ -140,7 +106,7 @@ def test_a_commit_cut_while_the_server_still_runs_it_counts_as_done(
     the commit then either happened (counted done) or was ended (counted refused,
     and the message runs again) — never counted refused while it commits."""
     ids = pgq.publish_many(orders, "orders", [{"n": 1}])
-    commits_wait(orders, schema)
+    commits_wait(orders, schema, COMMIT_LOCK)
     holder.execute("SELECT pg_advisory_lock(%s, %s)", COMMIT_LOCK)
     through = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
 
@@ -150,7 +116,7 @@ def test_a_commit_cut_while_the_server_still_runs_it_counts_as_done(
     consumer = pgq.Consumer(through, "billing", handler, transactional=True, lease=3.0, **FAST)
     consumer.start()
     try:
-        wait_until(lambda: commit_waiting(holder), WAIT, "the commit to wait")
+        wait_until(lambda: commit_waiting(holder, COMMIT_LOCK), WAIT, "the commit to wait")
         proxy.cut()  # the server keeps running the COMMIT
         wait_until(lambda: consumer.snapshot().handled == 1, 5, "the attempt counted")
         holder.execute("SELECT pg_advisory_unlock(%s, %s)", COMMIT_LOCK)
@@ -254,14 +220,8 @@ def test_an_outage_with_few_attempts_is_refunded_and_each_effect_commits_once(or
         "billing",
         handler,
         transactional=True,
-        workers=2,
         max_attempts=2,
-        breaker_min_members=1,
-        breaker_window=4,
-        breaker_min_calls=4,
-        breaker_failure_rate=0.5,
-        breaker_probe_interval=0.2,
-        **FAST,
+        **TX_OUTAGE,
     )
     consumer.start()
     try:

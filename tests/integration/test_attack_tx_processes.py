@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from helpers import FAST, TESTS_DIR, finish, rows, wait_until
+from helpers import FAST, TESTS_DIR, commit_waiting, commits_wait, finish, rows, wait_until
 from sqlalchemy import Connection, Engine, text
 
 import pgq
@@ -37,7 +37,7 @@ COMMIT_LOCK = (20_517, 11)
 def effects(orders: Engine, schema: str) -> str:
     table = f'"{schema}".effects'
     with orders.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {table} (message_id bigint, attempt int)"))
+        conn.execute(text(f"CREATE TABLE {table} (message_id bigint, attempt int, member text)"))
     return table
 
 
@@ -151,40 +151,6 @@ def assert_invariant(engine: Engine, table: str, ids: list[int]) -> None:
     assert done_count(engine) == len(ids)
 
 
-def commits_wait(engine: Engine, schema: str) -> None:
-    """A deferred trigger: every transaction that ends a lease of `delivery` (an ack)
-    waits, at its COMMIT, for `COMMIT_LOCK`."""
-    key = ", ".join(map(str, COMMIT_LOCK))
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                f'CREATE FUNCTION "{schema}".commit_waits() RETURNS trigger LANGUAGE plpgsql'
-                f" AS $$ BEGIN PERFORM pg_advisory_xact_lock_shared({key}); RETURN NULL; END $$"
-            )
-        )
-        for event, when in (
-            ("UPDATE", "OLD.lease_owner IS NOT NULL AND NEW.lease_owner IS NULL"),
-            ("DELETE", "OLD.lease_owner IS NOT NULL"),
-        ):
-            conn.execute(
-                text(
-                    f"CREATE CONSTRAINT TRIGGER commit_waits_{event.lower()} AFTER {event}"
-                    f' ON "{schema}".delivery DEFERRABLE INITIALLY DEFERRED FOR EACH ROW'
-                    f' WHEN ({when}) EXECUTE FUNCTION "{schema}".commit_waits()'
-                )
-            )
-
-
-def commit_waiting(holder: psycopg.Connection) -> bool:
-    found = holder.execute(
-        "SELECT count(*) FROM pg_locks l JOIN pg_database db ON db.oid = l.database"
-        " WHERE db.datname = current_database() AND l.locktype = 'advisory'"
-        " AND l.classid = %s AND l.objid = %s AND l.objsubid = 2 AND NOT l.granted",
-        COMMIT_LOCK,
-    ).fetchone()
-    return found is not None and found[0] > 0
-
-
 @pytest.fixture
 def holder(pg_dsn: str) -> Iterator[psycopg.Connection]:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -206,10 +172,10 @@ def test_kill_9_mid_commit(orders, schema, effects, members, holder):
     """The member dies while its COMMIT waits on the server: the server finishes that
     transaction on its own (effect and ack together)."""
     ids = pgq.publish_many(orders, "orders", [{"n": 1}])
-    commits_wait(orders, schema)
+    commits_wait(orders, schema, COMMIT_LOCK)
     holder.execute("SELECT pg_advisory_lock(%s, %s)", COMMIT_LOCK)
     members.spawn("a", workers=1)
-    wait_until(lambda: commit_waiting(holder), WAIT, "a's commit to wait")
+    wait_until(lambda: commit_waiting(holder, COMMIT_LOCK), WAIT, "a's commit to wait")
     members.by_name["a"].kill()
     members.by_name["a"].wait(10)
     holder.execute("SELECT pg_advisory_unlock(%s, %s)", COMMIT_LOCK)
@@ -219,10 +185,10 @@ def test_kill_9_mid_commit(orders, schema, effects, members, holder):
 
 def test_kill_9_right_after_the_commit(orders, schema, effects, members, holder):
     ids = pgq.publish_many(orders, "orders", [{"n": 1}, {"n": 2}])
-    commits_wait(orders, schema)
+    commits_wait(orders, schema, COMMIT_LOCK)
     holder.execute("SELECT pg_advisory_lock(%s, %s)", COMMIT_LOCK)
     members.spawn("a", workers=1)
-    wait_until(lambda: commit_waiting(holder), WAIT, "a's commit to wait")
+    wait_until(lambda: commit_waiting(holder, COMMIT_LOCK), WAIT, "a's commit to wait")
     members.by_name["a"].send_signal(signal.SIGSTOP)  # its answer will wait
     holder.execute("SELECT pg_advisory_unlock(%s, %s)", COMMIT_LOCK)
     wait_until(lambda: effect_counts(orders, effects)[ids[0]] == 1, WAIT, "the commit")
