@@ -526,3 +526,23 @@ def blocked(engine: Engine, tx: OpenTransaction) -> None:
 
     wait_until(lambda: tx.done.is_set() or waits(), JOIN, f"{tx.name} to wait for a lock")
     assert not tx.done.is_set(), f"{tx.name} did not wait: {tx.result!r} {tx.error!r}"
+
+
+def transactional_consumer(
+    engine: Engine,
+    handler: Callable[[pgq.Message, Connection], None],
+    *,
+    batch: bool = False,
+    group: str = "billing",
+    **settings: Any,
+) -> pgq.Consumer:
+    """A consumer of `group` with the transactional `handler(message, conn)`, or, with
+    `batch`, with a batch handler that calls it on each message of its batch."""
+    if not batch:
+        return pgq.Consumer(engine, group, handler, transactional=True, **settings)
+
+    def handle_batch(messages: list[pgq.Message], conn: Connection) -> None:
+        for message in messages:
+            handler(message, conn)
+
+    return pgq.Consumer(engine, group, batch_handler=handle_batch, transactional=True, **settings)
