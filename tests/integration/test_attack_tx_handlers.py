@@ -295,3 +295,42 @@ def test_savepoints_in_a_batch_handler_are_its_own(orders, effects):
     summary = consumer.run(until_empty=True, wait_retries=3.0, max_runtime=WAIT)
     assert (summary.done, summary.refused, summary.retried) == (6, 0, 0), summary
     assert effect_counts(orders, effects) == Counter(ids)
+
+
+@pytest.mark.parametrize("names", ["nothing", "ids_as_text", "other_ids"])
+def test_a_partial_failure_that_names_no_message_of_its_batch_fails_the_batch(
+    orders, effects, names
+):
+    """`PartialFailure` fails the messages it names and sends the others back
+    uncharged. One that names none of its batch's messages (empty; ids as text, as
+    they come back from JSON; ids of another batch) sent every message back
+    uncharged: the batch ran again at once, for ever, and never died. It must fail
+    the whole batch, charged, saying why."""
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(3)])
+    calls: list[int] = []
+
+    def batch(messages: list[pgq.Message], conn: Connection) -> None:
+        calls.append(len(messages))
+        for message in messages:
+            write_effect(effects, message, conn)
+        if names == "nothing":
+            raise pgq.PartialFailure({})
+        if names == "ids_as_text":
+            raise pgq.PartialFailure({str(m.id): ValueError("bad") for m in messages})  # type: ignore[misc]
+        raise pgq.PartialFailure({m.id + 1000: ValueError("bad") for m in messages})
+
+    consumer = pgq.Consumer(
+        orders,
+        "billing",
+        batch_handler=batch,
+        transactional=True,
+        workers=1,
+        max_attempts=2,
+        **FAST,
+    )
+    summary = consumer.run(until_empty=True, wait_retries=5.0, max_runtime=10.0)
+    assert (summary.stop_reason, summary.dead) == ("empty", 3), (summary, len(calls))
+    assert len(calls) <= 6, len(calls)  # before: thousands of calls in the 10 s
+    assert effect_counts(orders, effects) == Counter()
+    found = rows(orders, "billing")
+    assert all("PartialFailure" in found[mid].last_error for mid in ids), found
