@@ -309,6 +309,19 @@ def spawn_pgq(env: Mapping[str, str], *args: str, log: Path | None = None) -> su
             stderr.close()
 
 
+def spawn_tx_member(env: Mapping[str, str], log: Path) -> subprocess.Popen[str]:
+    """Start `tests/tx_member.py` (a member with a transactional handler) driven by the
+    `TXQ_*` variables of `env`; its stderr goes to the file `log`."""
+    with log.open("w") as stderr:
+        return subprocess.Popen(
+            [sys.executable, str(TESTS_DIR / "tx_member.py")],
+            env=dict(env),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+
+
 def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]:
     """Wait for `proc` (killing it past `timeout`): (exit code, stdout, stderr)."""
     try:

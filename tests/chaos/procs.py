@@ -23,14 +23,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helpers import FAST, TESTS_DIR, consumer_env, spawn_pgq
+from helpers import FAST, consumer_env, spawn_pgq, spawn_tx_member
 from sqlalchemy import Engine
 
 import pgq
@@ -254,14 +253,7 @@ class Members:
             "TXQ_NOTES": "0",
         }
         log = self._log(name)
-        with log.open("w") as stderr:
-            proc = subprocess.Popen(
-                [sys.executable, str(TESTS_DIR / "tx_member.py")],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=stderr,
-                text=True,
-            )
+        proc = spawn_tx_member(env, log)
         member = Member(self, name, group, proc, log, tx=(effects, batch))
         self.members.append(member)
         self._record(member, "spawn")

@@ -11,6 +11,7 @@ equals the messages, and nothing is lost.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 from helpers import FAST, rows
@@ -183,6 +184,20 @@ def test_a_savepoint_left_open_commits_with_the_ack(orders, effects):
     assert found == Counter(ids), found
 
 
+def batch_consumer(
+    engine: Engine, batch: Callable[[list[pgq.Message], Connection], None], **settings: object
+) -> pgq.Consumer:
+    """A transactional consumer of `billing` with the batch handler `batch`, one worker."""
+    return pgq.Consumer(
+        engine,
+        "billing",
+        batch_handler=batch,
+        transactional=True,
+        workers=1,
+        **{**FAST, **settings},  # type: ignore[arg-type]
+    )
+
+
 MISBEHAVIOURS = [
     "sql_commit",
     "dbapi_commit",
@@ -249,16 +264,7 @@ def test_a_batch_handler_that_ends_the_transaction_or_the_connection_leaves_each
                 if len(calls) > 1:
                     raise
 
-    consumer = pgq.Consumer(
-        orders,
-        "billing",
-        batch_handler=batch,
-        transactional=True,
-        workers=1,
-        max_attempts=3,
-        lease=2.0,
-        **FAST,
-    )
+    consumer = batch_consumer(orders, batch, max_attempts=3, lease=2.0)
     summary = consumer.run(until_empty=True, wait_retries=5.0, max_runtime=WAIT)
     assert consumer.clean, summary
     assert (summary.stop_reason, summary.done, summary.dead) == ("empty", 4, 0), (summary, calls)
@@ -289,9 +295,7 @@ def test_savepoints_in_a_batch_handler_are_its_own(orders, effects):
                 conn.begin_nested()  # left open
                 write_effect(effects, message, conn)
 
-    consumer = pgq.Consumer(
-        orders, "billing", batch_handler=batch, transactional=True, workers=1, **FAST
-    )
+    consumer = batch_consumer(orders, batch)
     summary = consumer.run(until_empty=True, wait_retries=3.0, max_runtime=WAIT)
     assert (summary.done, summary.refused, summary.retried) == (6, 0, 0), summary
     assert effect_counts(orders, effects) == Counter(ids)
@@ -319,15 +323,7 @@ def test_a_partial_failure_that_names_no_message_of_its_batch_fails_the_batch(
             raise pgq.PartialFailure({str(m.id): ValueError("bad") for m in messages})  # type: ignore[misc]
         raise pgq.PartialFailure({m.id + 1000: ValueError("bad") for m in messages})
 
-    consumer = pgq.Consumer(
-        orders,
-        "billing",
-        batch_handler=batch,
-        transactional=True,
-        workers=1,
-        max_attempts=2,
-        **FAST,
-    )
+    consumer = batch_consumer(orders, batch, max_attempts=2)
     summary = consumer.run(until_empty=True, wait_retries=5.0, max_runtime=10.0)
     assert (summary.stop_reason, summary.dead) == ("empty", 3), (summary, len(calls))
     assert len(calls) <= 6, len(calls)  # before: thousands of calls in the 10 s

@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,6 +29,7 @@ from helpers import (
     commits_wait,
     finish,
     rows,
+    spawn_tx_member,
     transactional_consumer,
     wait_until,
 )
@@ -96,17 +96,7 @@ class Members:
         )
         if lock_key is not None:
             env["TXQ_LOCK_KEY"] = str(lock_key)
-        log = (self.out / f"{name}.log").open("w")
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, str(TESTS_DIR / "tx_member.py")],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-            )
-        finally:
-            log.close()
+        proc = spawn_tx_member(env, self.out / f"{name}.log")
         self.procs.append(proc)
         self.by_name[name] = proc
 
