@@ -15,13 +15,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import Engine, func, select, update
+from sqlalchemy import Connection, Engine, func, select, text, update
 
 import pgq
 from pgq import schema as t
@@ -61,6 +62,19 @@ LONE_OUTAGE = {
 """`FAST`, and a breaker that one member trips alone within four calls and probes
 every 0.3-0.6 s: an outage, its probes and its close in about a second."""
 
+TX_OUTAGE = {
+    **FAST,
+    "workers": 2,
+    "breaker_min_members": 1,
+    "breaker_window": 4,
+    "breaker_min_calls": 4,
+    "breaker_failure_rate": 0.5,
+    "breaker_probe_interval": 0.2,
+}
+"""`FAST`, and a breaker that one member of two workers trips alone within four calls
+and probes every 0.2 s (its open time the default): the transactional handlers'
+outages (a dependency down, then up)."""
+
 
 def wait_until(
     predicate: Callable[[], T],
@@ -91,7 +105,6 @@ def waiting_on(engine: Engine, pid: int, query_like: str = "%") -> list[int]:
     another waiter (a row's second waiter waits on the first one's tuple lock), whose
     statement is `LIKE query_like`: to wait until a statement is stuck behind a
     test's lock."""
-    from sqlalchemy import text
 
     with engine.connect() as conn:
         found = conn.execute(
@@ -296,6 +309,19 @@ def spawn_pgq(env: Mapping[str, str], *args: str, log: Path | None = None) -> su
             stderr.close()
 
 
+def spawn_tx_member(env: Mapping[str, str], log: Path) -> subprocess.Popen[str]:
+    """Start `tests/tx_member.py` (a member with a transactional handler) driven by the
+    `TXQ_*` variables of `env`; its stderr goes to the file `log`."""
+    with log.open("w") as stderr:
+        return subprocess.Popen(
+            [sys.executable, str(TESTS_DIR / "tx_member.py")],
+            env=dict(env),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+
+
 def finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str, str]:
     """Wait for `proc` (killing it past `timeout`): (exit code, stdout, stderr)."""
     try:
@@ -399,3 +425,137 @@ def citus_marks() -> list[Any]:
             " PGQ_CITUS_DSN=postgresql://postgres@127.0.0.1:9701/postgres)",
         ),
     ]
+
+
+# -- a commit held on the server, for the transactional handlers' attacks -------------
+
+
+def commits_wait(engine: Engine, schema: str, lock: tuple[int, int]) -> None:
+    """Deferred triggers on `delivery`: every transaction that ends a lease (an ack:
+    the row updated from leased, or deleted while leased) waits, at its COMMIT, for
+    the advisory lock `lock` (shared), so a test holding it holds every such commit
+    on the server (`commit_waiting` tells when one waits)."""
+    key = ", ".join(map(str, lock))
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                f'CREATE FUNCTION "{schema}".commit_waits() RETURNS trigger LANGUAGE plpgsql'
+                f" AS $$ BEGIN PERFORM pg_advisory_xact_lock_shared({key}); RETURN NULL; END $$"
+            )
+        )
+        for event, when in (
+            ("UPDATE", "OLD.lease_owner IS NOT NULL AND NEW.lease_owner IS NULL"),
+            ("DELETE", "OLD.lease_owner IS NOT NULL"),
+        ):
+            conn.execute(
+                text(
+                    f"CREATE CONSTRAINT TRIGGER commit_waits_{event.lower()} AFTER {event}"
+                    f' ON "{schema}".delivery DEFERRABLE INITIALLY DEFERRED FOR EACH ROW'
+                    f' WHEN ({when}) EXECUTE FUNCTION "{schema}".commit_waits()'
+                )
+            )
+
+
+def commit_waiting(holder: Any, lock: tuple[int, int]) -> bool:
+    """A commit waits for `lock` (`commits_wait`); `holder` is a psycopg connection."""
+    found = holder.execute(
+        "SELECT count(*) FROM pg_locks l JOIN pg_database db ON db.oid = l.database"
+        " WHERE db.datname = current_database() AND l.locktype = 'advisory'"
+        " AND l.classid = %s AND l.objid = %s AND l.objsubid = 2 AND NOT l.granted",
+        lock,
+    ).fetchone()
+    return found is not None and found[0] > 0
+
+
+# -- a transaction held open in a thread (publishers racing on keys) ------------------
+
+JOIN = 30.0
+"""Seconds an `OpenTransaction` may take to connect, return or end once asked."""
+
+
+class OpenTransaction(threading.Thread):
+    """`fn(conn)` in one transaction on its own connection, in a thread; it commits
+    (or rolls back) when told (`finish`), so transactions end in any order."""
+
+    def __init__(self, engine: Engine, fn: Callable[[Connection], Any], name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.engine, self.fn = engine, fn
+        self.pid: int | None = None
+        self.connected = threading.Event()
+        self.done = threading.Event()  # fn returned (or raised)
+        self.end = threading.Event()
+        self.rollback = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with self.engine.connect() as conn:
+                self.pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
+                conn.commit()
+                self.connected.set()
+                conn.begin()
+                try:
+                    self.result = self.fn(conn)
+                finally:
+                    self.done.set()
+                assert self.end.wait(JOIN), f"{self.name} was never told to end"
+                conn.rollback() if self.rollback else conn.commit()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.connected.set()
+            self.done.set()
+
+    def finish(self, rollback: bool = False) -> Any:
+        self.rollback = rollback
+        self.end.set()
+        self.join(JOIN)
+        assert not self.is_alive(), f"{self.name} still running after {JOIN:g}s"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def open_transaction(engine: Engine, fn: Callable[[Connection], Any], name: str) -> OpenTransaction:
+    """Start an `OpenTransaction` and wait until it is connected."""
+    tx = OpenTransaction(engine, fn, name)
+    tx.start()
+    assert tx.connected.wait(JOIN), f"{name} did not connect"
+    return tx
+
+
+def blocked(engine: Engine, tx: OpenTransaction) -> None:
+    """Wait until `tx`'s statement waits for a lock (failing if it returned instead)."""
+
+    def waits() -> bool:
+        with engine.connect() as conn:
+            return bool(
+                conn.execute(
+                    text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :p"),
+                    {"p": tx.pid},
+                ).scalar()
+            )
+
+    wait_until(lambda: tx.done.is_set() or waits(), JOIN, f"{tx.name} to wait for a lock")
+    assert not tx.done.is_set(), f"{tx.name} did not wait: {tx.result!r} {tx.error!r}"
+
+
+def transactional_consumer(
+    engine: Engine,
+    handler: Callable[[pgq.Message, Connection], None],
+    *,
+    batch: bool = False,
+    group: str = "billing",
+    **settings: Any,
+) -> pgq.Consumer:
+    """A consumer of `group` with the transactional `handler(message, conn)`, or, with
+    `batch`, with a batch handler that calls it on each message of its batch."""
+    if not batch:
+        return pgq.Consumer(engine, group, handler, transactional=True, **settings)
+
+    def handle_batch(messages: list[pgq.Message], conn: Connection) -> None:
+        for message in messages:
+            handler(message, conn)
+
+    return pgq.Consumer(engine, group, batch_handler=handle_batch, transactional=True, **settings)

@@ -71,6 +71,18 @@ def commit_settled(
         return set()
 
 
+def unnamed(exc: PartialFailure, rows: list[Claimed]) -> TypeError:
+    """What fails every row of a batch whose `PartialFailure` names none of its
+    messages (empty, ids as text, another batch's ids): sending them all back
+    uncharged would run the batch again at once, for ever, and never end it."""
+    why = TypeError(
+        f"PartialFailure named no message of its batch (named {list(exc.failures)[:5]!r};"
+        f" the batch's ids {[row.id for row in rows][:5]!r}): the whole batch failed"
+    )
+    why.__cause__ = exc
+    return why
+
+
 class Ended(enum.Enum):
     """How a transactional attempt ended, for one of its rows."""
 
@@ -234,12 +246,14 @@ class Transactions:
         except BaseException as exc:  # a handler's SystemExit must not kill the thread
             if isinstance(exc, PartialFailure) and guard.asked is None:
                 failures = exc.failures
-                return [
-                    Attempt(handling.failure(row, failures[row.id]), Ended.FAILED)
-                    if row.id in failures
-                    else Attempt(Outcome(row, OutcomeKind.DONE), Ended.RELEASED)
-                    for row in rows
-                ]
+                if any(row.id in failures for row in rows):
+                    return [
+                        Attempt(handling.failure(row, failures[row.id]), Ended.FAILED)
+                        if row.id in failures
+                        else Attempt(Outcome(row, OutcomeKind.DONE), Ended.RELEASED)
+                        for row in rows
+                    ]
+                exc = unnamed(exc, rows)
             why = guard.why(exc)
             return [Attempt(handling.failure(row, why), Ended.FAILED) for row in rows]
         return None

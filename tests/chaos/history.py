@@ -25,7 +25,14 @@ the topic and every published id the group must have (see `expected`):
 - `pgq status GROUP --json` agrees with the logs: `done` = the ids handled and not
   dead, `dead` = the dead rows, and after the drain nothing ready, leased or lagging;
 - with `frontier=` a `chaos.frontier.FrontierWatch` that sampled the run: no
-  group's frontier ever passed a ready or leased row, nor moved back.
+  group's frontier ever passed a ready or leased row, nor moved back;
+- with `effects=` (group -> effect table, `create_effects`): those groups'
+  members are transactional (`tests/tx_member.py`, single or batch): each writes
+  one effect row per message in the transaction that acks it, and logs no
+  attempts. Their effect rows are their history: every id the group must have and
+  that is not dead has exactly one effect row (**effects** = messages, 0
+  duplicates, 0 missing), whatever was killed, paused or cut: a duplicate is never
+  excused there, a stale attempt's writes must have rolled back.
 
 On a Citus schema (`pgq init --distributed`) the checker reads the same things
 with statements Citus can run: orphans are found by comparing the two tables'
@@ -54,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import PGQ
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, text
 
 import pgq
 from pgq import schema as t
@@ -173,6 +180,46 @@ class GroupResult:
 
 
 @dataclass
+class EffectResult:
+    """A transactional group's effect rows against its messages."""
+
+    messages: int = 0  # ids the group must have, not dead
+    effects: int = 0  # effect rows
+    duplicates: int = 0  # effect rows beyond the first of an id
+    missing: int = 0  # ids (not dead) without an effect row
+    unexpected: int = 0  # effect rows of ids the group need not have, or dead
+
+
+def create_effects(engine: Engine, schema: str, group: str) -> str:
+    """The effect table of transactional group `group` (no unique key: a duplicate
+    effect is a second row); its quoted name, for `tx_member.py` and `check`."""
+    table = f'"{schema}"."effects_{group}"'
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                f"CREATE TABLE {table} (message_id bigint NOT NULL, attempt int, member text,"
+                " at timestamptz NOT NULL DEFAULT clock_timestamp())"
+            )
+        )
+    return table
+
+
+def read_effects(engine: Engine, group: str, table: str) -> list[Attempt]:
+    """The effect rows of `table` as the `ok` attempts of `group`, in commit-time order."""
+    with engine.connect() as conn:
+        found = conn.execute(
+            text(
+                f"SELECT message_id, attempt, member, extract(epoch FROM at) FROM {table}"
+                " ORDER BY at"
+            )
+        ).all()
+    return [
+        Attempt(float(at), 0, member or "?", group, int(mid), int(n or 0), "ok")
+        for mid, n, member, at in found
+    ]
+
+
+@dataclass
 class Summary:
     """The verdict. `lost` must be empty and `problems` too (`ok`)."""
 
@@ -192,6 +239,8 @@ class Summary:
     stale_leases: list[str] = field(default_factory=list)
     status_mismatch: list[str] = field(default_factory=list)
     frontier: list[str] = field(default_factory=list)  # passed an unresolved row, moved back
+    effects: dict[str, EffectResult] = field(default_factory=dict)  # transactional groups
+    effect_details: list[str] = field(default_factory=list)  # duplicate or missing effects
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -218,6 +267,12 @@ class Summary:
                 f" done={g.done} dead={g.dead} handled={g.handled} duplicates={g.duplicates}"
                 f" status_counts={g.status.get('counts')} totals={g.status.get('totals')}"
             )
+        for name, e in self.effects.items():
+            lines.append(
+                f"  effects of transactional group {name}: messages={e.messages}"
+                f" effects={e.effects} duplicates={e.duplicates} missing={e.missing}"
+                f" unexpected={e.unexpected}"
+            )
         if self.duplicates:
             lines.append(f"  duplicates explained by: {dict(self.duplicates)}")
         for title, items in (
@@ -230,6 +285,7 @@ class Summary:
             ("stale leases", self.stale_leases),
             ("status mismatches", self.status_mismatch),
             ("frontier passed an unresolved message (or moved back)", self.frontier),
+            ("effects duplicated or missing", self.effect_details),
             ("notes", self.notes),
         ):
             if items:
@@ -403,6 +459,36 @@ def _explain(
     return None
 
 
+def _check_effects(
+    summary: Summary,
+    group: str,
+    must: Sequence[int],
+    dead: set[int],
+    by_key: Mapping[tuple[str, int], list[Attempt]],
+) -> None:
+    """A transactional group: one effect row per message it must have and that is
+    not dead; none for anything else."""
+    res = EffectResult()
+    wanted = set(must) - dead
+    res.messages = len(wanted)
+    for (g, mid), found in by_key.items():
+        if g != group:
+            continue
+        res.effects += len(found)
+        if mid not in wanted:
+            res.unexpected += len(found)
+            summary.effect_details.append(f"{group} {mid}: {len(found)} effects, not expected")
+        elif len(found) > 1:
+            res.duplicates += len(found) - 1
+            by = ", ".join(f"{a.member}#{a.attempt}@{a.at:.2f}" for a in found)
+            summary.effect_details.append(f"{group} {mid}: {len(found)} effects by {by}")
+    for mid in sorted(wanted):
+        if not by_key.get((group, mid)):
+            res.missing += 1
+            summary.effect_details.append(f"{group} {mid}: no effect")
+    summary.effects[group] = res
+
+
 def check(
     engine: Engine,
     topic: str,
@@ -416,6 +502,7 @@ def check(
     cli_env: Mapping[str, str] | None = None,
     settled: bool = True,
     frontier: FrontierWatch | None = None,
+    effects: Mapping[str, str] | None = None,
 ) -> Summary:
     """Check the history of `topic` (see the module docstring); never raises on a
     finding, returns them in the `Summary`.
@@ -424,6 +511,7 @@ def check(
     `pgq status --json` with it (else `pgq.status` in-process). `settled`: the run
     has been drained, so nothing may be ready, leased or lagging. `frontier`: a
     watch that sampled the run (stopped by now); its findings join the verdict.
+    `effects`: the transactional groups' effect tables (`create_effects`).
     """
     pubs: dict[int, Published | None] = {}
     if record is not None:
@@ -451,6 +539,10 @@ def check(
     attempts, bad = read_attempts(out)
     if bad:
         summary.notes.append(f"{bad} attempt-log lines did not parse")
+    effects = dict(effects or {})
+    attempts = [a for a in attempts if a.group not in effects]  # their effects tell
+    for group, table in effects.items():
+        attempts += read_effects(engine, group, table)
     by_key: dict[tuple[str, int], list[Attempt]] = defaultdict(list)
     for a in attempts:
         by_key[(a.group, a.id)].append(a)
@@ -512,6 +604,8 @@ def check(
             handled_ids.add(mid)
             if mid not in pubs:
                 summary.notes.append(f"{group} {mid}: handled but not published by this run")
+            if group in effects:
+                continue  # `_check_effects`: a duplicate effect is never excused
             for dup in oks[1:]:
                 res.duplicates += 1
                 starts = [a for a in group_attempts if a.event == "start" and a.at <= dup.at]
@@ -532,6 +626,8 @@ def check(
                     summary.duplicate_details.append(f"{detail} ({why})")
         summary.handled += res.handled
         summary.distinct += len(handled_ids)
+        if group in effects:
+            _check_effects(summary, group, must, dead_ids, by_key)
 
         status = statuses.get(group) or pgq.status(engine, group, member_ttl=member_ttl)
         res.status = status
@@ -567,6 +663,12 @@ def check(
         elif not frontier.samples:
             summary.problems.append("the frontier watch took no sample")
 
+    for group, e in summary.effects.items():
+        if (e.duplicates, e.missing, e.unexpected) != (0, 0, 0) or e.effects != e.messages:
+            summary.problems.append(
+                f"{group}: {e.effects} effects for {e.messages} messages"
+                f" ({e.duplicates} duplicates, {e.missing} missing, {e.unexpected} unexpected)"
+            )
     if summary.lost:
         summary.problems.append(f"{len(summary.lost)} deliveries lost")
     if summary.unexplained:

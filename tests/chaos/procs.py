@@ -8,13 +8,18 @@
 
 Each member runs `chaos.handlers:work` (its attempt log goes to `out`) under
 `--name <name>`, so the log, `pgq status` and the delivery rows' `lease_owner`
-all use the same name. Every signal sent is recorded in `Members.events` with
-its wall-clock time: the history checker uses them to explain duplicates.
+all use the same name. `members.spawn_tx("t1", "txwork", table, batch=True)`
+starts a member with a transactional handler instead (`tests/tx_member.py`): it
+writes one row per message into the effect table `table` in the handler's
+transaction, and logs no attempts (its effects are its history). Every signal
+sent is recorded in `Members.events` with its wall-clock time: the history
+checker uses them to explain duplicates.
 Leaving the `with` block SIGCONTs and kills whatever still runs, and reaps it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helpers import FAST, consumer_env, spawn_pgq
+from helpers import FAST, consumer_env, spawn_pgq, spawn_tx_member
 from sqlalchemy import Engine
 
 import pgq
@@ -43,6 +48,16 @@ CHAOS_SETTINGS = {
 }
 """Short settings for chaos members, as the environment variables the CLI reads."""
 
+TX_SETTINGS = {
+    "lease": float(CHAOS_SETTINGS["PGQ_LEASE"]),
+    "breaker_heartbeat": float(CHAOS_SETTINGS["PGQ_BREAKER_HEARTBEAT"]),
+    "breaker_member_ttl": float(CHAOS_SETTINGS["PGQ_BREAKER_MEMBER_TTL"]),
+    "poll_interval": float(CHAOS_SETTINGS["PGQ_POLL_INTERVAL"]),
+    "retry_backoff": float(CHAOS_SETTINGS["PGQ_RETRY_BACKOFF"]),
+    "shutdown_grace": float(CHAOS_SETTINGS["PGQ_SHUTDOWN_GRACE"]),
+}
+"""`CHAOS_SETTINGS` as the keyword settings of a transactional member (`tx_member.py`)."""
+
 
 @dataclass
 class ProcEvent:
@@ -58,13 +73,21 @@ class Member:
     """One `pgq consume` process."""
 
     def __init__(
-        self, owner: Members, name: str, group: str, proc: subprocess.Popen[str], log: Path
+        self,
+        owner: Members,
+        name: str,
+        group: str,
+        proc: subprocess.Popen[str],
+        log: Path,
+        tx: tuple[str, bool] | None = None,
     ) -> None:
         self.owner = owner
         self.name = name
         self.group = group
         self.proc = proc
         self.log = log
+        self.tx = tx
+        """A transactional member's effect table and whether it handles batches."""
         self.paused = False
 
     @property
@@ -165,6 +188,15 @@ class Members:
         self.members: list[Member] = []
         self.events: list[ProcEvent] = []
 
+    def _log(self, name: str) -> Path:
+        """`out/NAME.log`, or a numbered one for a later member of the same name."""
+        log = self.out / f"{name}.log"
+        n = 1
+        while log.exists():
+            n += 1
+            log = self.out / f"{name}.{n}.log"
+        return log
+
     def _record(self, member: Member, kind: str) -> None:
         self.events.append(ProcEvent(member.name, kind, time.time(), member.pid))
 
@@ -181,11 +213,7 @@ class Members:
         """Start `pgq consume GROUP --name NAME --workers N [ARGS]`; stderr to `out/NAME.log`
         (a later member of the same name appends a numbered log)."""
         env = {**self.env, "TESTQ_TAG": name, **{k: str(v) for k, v in extra.items()}}
-        log = self.out / f"{name}.log"
-        n = 1
-        while log.exists():
-            n += 1
-            log = self.out / f"{name}.{n}.log"
+        log = self._log(name)
         cmd = [*(["-v"] if verbose else []), "consume", group, "--handler", self.handler]
         cmd += ["--name", name, "--workers", str(workers), *args]
         if until_empty:
@@ -195,6 +223,49 @@ class Members:
         self.members.append(member)
         self._record(member, "spawn")
         return member
+
+    def spawn_tx(
+        self,
+        name: str,
+        group: str,
+        effects: str,
+        *,
+        batch: bool,
+        workers: int = 4,
+        until_empty: bool = False,
+    ) -> Member:
+        """Start `tests/tx_member.py` as member `name` of `group`: a transactional
+        handler (a batch handler with `batch`) writing one row per message into the
+        effect table `effects` (quoted), through this chaos's DSN and settings; each
+        handler call works `0..2×` `$CHAOSQ_TX_SLEEP` seconds (default 0.05)."""
+        env = {
+            **self.env,
+            "TXQ_DSN": self.env["PGQ_DSN"],
+            "TXQ_SCHEMA": self.env["PGQ_SCHEMA"],
+            "TXQ_GROUP": group,
+            "TXQ_NAME": name,
+            "TXQ_EFFECTS": effects,
+            "TXQ_DIR": str(self.out),
+            "TXQ_SETTINGS": json.dumps({**TX_SETTINGS, "workers": workers}),
+            "TXQ_UNTIL_EMPTY": "1" if until_empty else "0",
+            "TXQ_BATCH": "1" if batch else "0",
+            "TXQ_SLEEP": self.env.get("CHAOSQ_TX_SLEEP", "0.05"),
+            "TXQ_NOTES": "0",
+        }
+        log = self._log(name)
+        proc = spawn_tx_member(env, log)
+        member = Member(self, name, group, proc, log, tx=(effects, batch))
+        self.members.append(member)
+        self._record(member, "spawn")
+        return member
+
+    def again(self, member: Member) -> Member:
+        """Start another process like `member`: same name, group and kind (a `pgq
+        consume` one verbose)."""
+        if member.tx is not None:
+            effects, batch = member.tx
+            return self.spawn_tx(member.name, member.group, effects, batch=batch)
+        return self.spawn(member.name, member.group, verbose=True)
 
     def live(self) -> list[Member]:
         return [m for m in self.members if m.alive()]

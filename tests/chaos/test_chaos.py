@@ -2,8 +2,14 @@
 a `kill -9`, a SIGSTOP past the lease, and a cut of every connection; then a
 drain and the history checker: nothing lost, every duplicate explained.
 
-Each 12 s cycle kills one member (and restarts it under its name at once),
-pauses another past its lease, and cuts every connection through the proxy.
+A second group of the topic, `txwork`, has three transactional members
+(`tests/tx_member.py`: two with a batch handler, one with a single-message one)
+that write one effect row per message in the transaction that acks it; the
+checker wants exactly one effect per message there (no duplicate is excused).
+
+Each 12 s cycle kills one member of each group (and restarts it under its name
+at once), pauses another of each past its lease, and cuts every connection
+through the proxy.
 `CHAOSQ_SECONDS` sets how long the chaos lasts (default 12 s, one cycle; the
 whole test stays under a minute). Longer runs repeat the cycle, rotating the
 victims, e.g.
@@ -36,8 +42,11 @@ CYCLE = min(12.0, SECONDS)
 
 LEASE = float(CHAOS_SETTINGS["PGQ_LEASE"])
 TTL = float(CHAOS_SETTINGS["PGQ_BREAKER_MEMBER_TTL"])
-TOPIC, GROUP = "chaos", "work"
+TOPIC, GROUP, TXGROUP = "chaos", "work", "txwork"
 NAMES = ("m1", "m2", "m3")
+TXNAMES = {"t1": True, "t2": False, "t3": True}
+"""The transactional members of `TXGROUP`, and whether each handles batches (cycle 0
+kills a batch member and pauses the single-message one)."""
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(SECONDS * 1.25 + 110)]
 
@@ -49,39 +58,45 @@ def sleep_until(moment: float) -> None:
 def chaos(engine: Engine, members: Members, proxy: Proxy, notes: list[str]) -> None:
     """Kill, pause past the lease, cut: once per cycle until SECONDS have passed.
 
-    Cycle n kills `NAMES[n % 3]` with `kill -9` and restarts it under its name
-    right away (it must be taken over at once, not refused), pauses the next
-    member past its lease, and cuts every connection.
+    Cycle n kills `NAMES[n % 3]` and the n-th of `TXNAMES` with `kill -9` and
+    restarts each under its name right away (it must be taken over at once, not
+    refused), pauses the next member of each group past its lease, and cuts
+    every connection.
     """
+    groups = {GROUP: NAMES, TXGROUP: tuple(TXNAMES)}
     start = time.monotonic()
     cycle = 0
     while cycle == 0 or (cycle + 1) * CYCLE <= SECONDS:
         t0 = start + cycle * CYCLE
-        by_name = {m.name: m for m in members.members if m.alive() and m.name in NAMES}
-        victim = by_name.get(NAMES[cycle % 3])
-        sleeper = by_name.get(NAMES[(cycle + 1) % 3])
+        by_name = {m.name: m for m in members.members if m.alive()}
+        victims = [by_name.get(names[cycle % 3]) for names in groups.values()]
+        sleepers = [by_name.get(names[(cycle + 1) % 3]) for names in groups.values()]
         sleep_until(t0 + 0.2 * CYCLE)
-        restarted = None
-        if victim is not None:
-            victim.kill9()
-            restarted = members.spawn(victim.name, GROUP, verbose=True)
+        restarted = []
+        for victim in victims:
+            if victim is not None:
+                victim.kill9()
+                restarted.append(members.again(victim))
         sleep_until(t0 + 0.3 * CYCLE)
-        if sleeper is not None and sleeper.alive():
+        paused = [s for s in sleepers if s is not None and s.alive()]
+        for sleeper in paused:
             sleeper.pause()
-            time.sleep(LEASE + 1.5)  # past its lease, and past member_ttl
+        time.sleep(LEASE + 1.5)  # past its lease, and past member_ttl
+        for sleeper in paused:
             sleeper.resume()
-        if restarted is not None:
+        for member in restarted:
             try:  # a name whose holder was killed is taken over at once
-                members.wait_live(engine, GROUP, [restarted.name], TTL, timeout=10)
+                members.wait_live(engine, member.group, [member.name], TTL, timeout=10)
             except AssertionError as exc:
-                notes.append(f"PROBLEM cycle {cycle}: restarting {restarted.name}: {exc}")
+                notes.append(f"PROBLEM cycle {cycle}: restarting {member.name}: {exc}")
         sleep_until(t0 + 0.75 * CYCLE)
         notes.append(f"cycle {cycle}: cut {proxy.cut()} connections")
-        alive = [m.name for m in members.members if m.alive() and m.name in NAMES]
-        try:  # the members reconnect and count as live again (their session lock too)
-            members.wait_live(engine, GROUP, alive, TTL, timeout=10)
-        except AssertionError as exc:
-            notes.append(f"PROBLEM cycle {cycle}: after the cut: {exc}")
+        for group, names in groups.items():
+            alive = [m.name for m in members.members if m.alive() and m.name in names]
+            try:  # the members reconnect and count as live again (their session lock too)
+                members.wait_live(engine, group, alive, TTL, timeout=10)
+            except AssertionError as exc:
+                notes.append(f"PROBLEM cycle {cycle}: after the cut: {exc}")
         cycle += 1
 
 
@@ -92,13 +107,19 @@ def test_nothing_is_lost_through_kills_pauses_and_cuts(
     members: Members,
     in_process: InProcessMembers,
     out: Path,
+    schema: str,
 ) -> None:
     began = time.monotonic()
     pgq.create_topic(engine, TOPIC)
     pgq.subscribe(engine, GROUP, TOPIC)
+    pgq.subscribe(engine, TXGROUP, TOPIC)
+    effects = history.create_effects(engine, schema, TXGROUP)
     for name in NAMES:
         members.spawn(name, GROUP, verbose=True)
+    for name, batch in TXNAMES.items():
+        members.spawn_tx(name, TXGROUP, effects, batch=batch)
     members.wait_live(engine, GROUP, NAMES, TTL)
+    members.wait_live(engine, TXGROUP, TXNAMES, TTL)
 
     notes: list[str] = []
     with Drivers(engine, TOPIC, seconds=SECONDS) as drivers:
@@ -120,6 +141,8 @@ def test_nothing_is_lost_through_kills_pauses_and_cuts(
     notes += [f"PROBLEM {p}" for p in in_process.stop()]
     for member in running:
         code = member.wait(20)
+        if member.tx is not None:  # its stale attempts rolled back: `refused`
+            notes.append(f"{member.name}: exit {code} {member.summary()}")
         if code != 0:
             notes.append(f"PROBLEM {member.name} exited {code} on SIGTERM:\n{member.stderr()}")
     stopped = time.monotonic()
@@ -127,6 +150,9 @@ def test_nothing_is_lost_through_kills_pauses_and_cuts(
     drains: list[Member] = [
         members.spawn(f"drain-{g}", g, until_empty=True, verbose=True) for g in groups
     ]
+    drains.append(
+        members.spawn_tx(f"drain-{TXGROUP}", TXGROUP, effects, batch=True, until_empty=True)
+    )
     for drain in drains:
         code = drain.wait(45 + SECONDS / 4)
         notes.append(f"{drain.name}: exit {code} {drain.summary()}")
@@ -143,6 +169,7 @@ def test_nothing_is_lost_through_kills_pauses_and_cuts(
         lease=LEASE,
         member_ttl=TTL,
         cli_env={**pgq_env, **CHAOS_SETTINGS},
+        effects={TXGROUP: effects},
     )
     took = (
         f"took {time.monotonic() - began:.1f}s: chaos until {chaos_done - began:.1f}s,"
@@ -155,3 +182,4 @@ def test_nothing_is_lost_through_kills_pauses_and_cuts(
     assert summary.ok, report
     assert not [n for n in notes if n.startswith("PROBLEM")], report
     assert summary.dead == [], report  # the handler never fails: nothing may die
+    assert summary.effects[TXGROUP].effects == summary.effects[TXGROUP].messages > 0, report

@@ -11,7 +11,7 @@ from pathlib import Path
 import psycopg
 import pytest
 from helpers import FAST, pin_frontier, wait_until
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 import pgq
 
@@ -395,3 +395,45 @@ def test_the_drivers_publish_subscribe_and_retain_concurrently(engine: Engine) -
     assert len(record.retention) >= 2
     assert set(record.ids("orders")) <= message_ids(engine, "orders")  # nobody consumed
     assert any(record.groups_before(p) for p in record.published)
+
+
+@pytest.mark.parametrize("found", ["each_once", "a_duplicate", "one_missing", "a_stray"])
+def test_a_transactional_groups_effects_are_each_once(
+    engine: Engine, out: Path, schema: str, found: str
+) -> None:
+    """A transactional group's effect rows are its history: one per message it must
+    have, or the check fails, even for a duplicate a kill would explain."""
+    pgq.create_topic(engine, "orders")
+    pgq.subscribe(engine, "billing", "orders")
+    table = history.create_effects(engine, schema, "billing")
+    ids = pgq.publish_many(engine, "orders", [{"n": i} for i in range(10)])
+
+    def handler(message: pgq.Message, conn: Connection) -> None:
+        conn.execute(
+            text(f"INSERT INTO {table} (message_id, attempt, member) VALUES (:id, :n, 'm1')"),
+            {"id": message.id, "n": message.attempt},
+        )
+
+    consumer = pgq.Consumer(engine, "billing", handler, transactional=True, workers=2, **FAST)
+    assert consumer.run(until_empty=True, max_runtime=30).done == 10
+    with engine.begin() as conn:
+        if found == "a_duplicate":
+            conn.execute(text(f"INSERT INTO {table} VALUES ({ids[4]}, 1, 'm2')"))
+        elif found == "one_missing":
+            conn.execute(text(f"DELETE FROM {table} WHERE message_id = {ids[4]}"))
+        elif found == "a_stray":
+            conn.execute(text(f"INSERT INTO {table} VALUES ({ids[-1] + 100}, 1, 'm2')"))
+    kill = history.FaultWindow("kill9", "m1", time.time() - 60, time.time())
+    summary = check(engine, out, ids, effects={"billing": table}, faults=[kill])
+    print(summary)
+    effects = summary.effects["billing"]
+    if found == "each_once":
+        summary.assert_ok()
+        assert (effects.messages, effects.effects) == (10, 10)
+        return
+    assert not summary.ok
+    assert (effects.duplicates, effects.missing, effects.unexpected) == {
+        "a_duplicate": (1, 0, 0),
+        "one_missing": (0, 1, 0),
+        "a_stray": (0, 0, 1),
+    }[found]

@@ -11,9 +11,9 @@ from typing import Any
 import psycopg
 import pytest
 from fixtures.released import restore
-from helpers import FAST, invoke, wait_until
+from helpers import FAST, JOIN, OpenTransaction, blocked, invoke, open_transaction, wait_until
 from psycopg import sql
-from sqlalchemy import Connection, Engine, event, select, text
+from sqlalchemy import Connection, Engine, event, select
 
 import pgq
 from pgq import schema as t
@@ -21,9 +21,6 @@ from pgq.errors import DatabaseError, SchemaMissing, UsageError
 from pgq.store import GroupStore
 from pgq.store.migrations import LATEST
 from pgq.store.topics import DEDUPE_KEY_MAX
-
-JOIN = 30.0
-"""Seconds any thread of these tests may take to finish once asked."""
 
 
 def keyed(engine: Engine, topic: str = "orders") -> dict[str, list[int]]:
@@ -42,79 +39,10 @@ def keyed(engine: Engine, topic: str = "orders") -> dict[str, list[int]]:
     return out
 
 
-class Tx(threading.Thread):
-    """`fn(conn)` in one transaction on its own connection; it commits or rolls back
-    when told (`finish`), so transactions end in any order."""
-
-    def __init__(self, engine: Engine, fn: Callable[[Connection], Any], name: str) -> None:
-        super().__init__(name=name, daemon=True)
-        self.engine, self.fn = engine, fn
-        self.pid: int | None = None
-        self.connected, self.done, self.end = (
-            threading.Event(),
-            threading.Event(),
-            threading.Event(),
-        )
-        self.rollback = False
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            with self.engine.connect() as conn:
-                self.pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
-                conn.commit()
-                self.connected.set()
-                conn.begin()
-                try:
-                    self.result = self.fn(conn)
-                finally:
-                    self.done.set()
-                assert self.end.wait(JOIN), f"{self.name} was never told to end"
-                conn.rollback() if self.rollback else conn.commit()
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.connected.set()
-            self.done.set()
-
-    def finish(self, rollback: bool = False) -> Any:
-        self.rollback = rollback
-        self.end.set()
-        self.join(JOIN)
-        assert not self.is_alive(), f"{self.name} still running after {JOIN:g}s"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def start(engine: Engine, fn: Callable[[Connection], Any], name: str) -> Tx:
-    tx = Tx(engine, fn, name)
-    tx.start()
-    assert tx.connected.wait(JOIN), f"{name} did not connect"
-    return tx
-
-
-def returned(tx: Tx) -> Any:
+def returned(tx: OpenTransaction) -> Any:
     assert tx.done.wait(JOIN), f"{tx.name} did not return"
     assert tx.error is None, tx.error
     return tx.result
-
-
-def waiting(engine: Engine, tx: Tx) -> None:
-    """Wait until `tx` waits for a lock (failing if it returned instead)."""
-
-    def waits() -> bool:
-        with engine.connect() as conn:
-            return bool(
-                conn.execute(
-                    text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :p"),
-                    {"p": tx.pid},
-                ).scalar()
-            )
-
-    wait_until(lambda: tx.done.is_set() or waits(), JOIN, f"{tx.name} to wait for a lock")
-    assert not tx.done.is_set(), f"{tx.name} did not wait: {tx.result!r} {tx.error!r}"
 
 
 def many(topic: str, payloads: list[Any], keys: list[str | None]) -> Callable[[Connection], Any]:
@@ -129,15 +57,15 @@ def one(topic: str, payload: Any, key: str) -> Callable[[Connection], Any]:
 
 
 def test_a_batch_repeating_keys_other_transactions_hold_gets_each_keys_one_id(orders):
-    a = start(orders, one("orders", "a by A", "a"), "A")
+    a = open_transaction(orders, one("orders", "a by A", "a"), "A")
     [id_a] = [returned(a)]
-    b = start(orders, many("orders", ["b by B", "c by B"], ["b", "c"]), "B")
+    b = open_transaction(orders, many("orders", ["b by B", "c by B"], ["b", "c"]), "B")
     id_b, _id_c = returned(b)
     keys = ["a", "x", "b", "a", None, "b", "c", "x"]
-    c = start(orders, many("orders", [f"p{i}" for i in range(8)], keys), "C")
-    waiting(orders, c)
+    c = open_transaction(orders, many("orders", [f"p{i}" for i in range(8)], keys), "C")
+    blocked(orders, c)
     b.finish(rollback=True)  # b and c are C's now
-    waiting(orders, c)  # still for A
+    blocked(orders, c)  # still for A
     assert a.finish() == id_a
     ids = c.finish()
     assert ids[0] == ids[3] == id_a
@@ -150,9 +78,9 @@ def test_a_batch_repeating_keys_other_transactions_hold_gets_each_keys_one_id(or
 
 def test_the_same_key_on_two_topics_never_waits_for_the_other(orders):
     pgq.create_topic(orders, "refunds")
-    a = start(orders, one("orders", 1, "k"), "on orders")
+    a = open_transaction(orders, one("orders", 1, "k"), "on orders")
     returned(a)
-    b = start(orders, one("refunds", 2, "k"), "on refunds")
+    b = open_transaction(orders, one("refunds", 2, "k"), "on refunds")
     returned(b)  # not waiting for the orders transaction
     id_b = b.finish()
     id_a = a.finish()
@@ -183,10 +111,10 @@ def plain(engine: Engine) -> Engine:
 @pytest.mark.parametrize("retention_ends", ["commits", "rolls back"])
 def test_a_publisher_waiting_on_a_message_retention_deletes_gets_one_id(plain, retention_ends):
     first = pgq.publish(plain, "plain", "first", dedupe_key="k")
-    retention = start(plain, lambda conn: expire(conn, "plain"), "retention")
+    retention = open_transaction(plain, lambda conn: expire(conn, "plain"), "retention")
     assert returned(retention) == 1
-    publisher = start(plain, one("plain", "second", "k"), "publisher")
-    waiting(plain, publisher)  # for retention's delete: it may yet roll back
+    publisher = open_transaction(plain, one("plain", "second", "k"), "publisher")
+    blocked(plain, publisher)  # for retention's delete: it may yet roll back
     retention.finish(rollback=retention_ends == "rolls back")
     mid = publisher.finish()
     assert keyed(plain, "plain") == {"k": [mid]}
@@ -214,17 +142,17 @@ def test_a_key_whose_message_retention_deletes_before_the_lookup_is_published_ag
 
 
 def test_a_savepoint_rolled_back_frees_the_key_for_the_one_waiting(orders):
-    waiters: list[Tx] = []
+    waiters: list[OpenTransaction] = []
 
     def publish_then_undo(conn: Connection) -> int:
         savepoint = conn.begin_nested()
         mid = pgq.publish(conn, "orders", "undone", dedupe_key="k")
-        waiters.append(start(orders, one("orders", "kept", "k"), "waiter"))
-        waiting(orders, waiters[0])
+        waiters.append(open_transaction(orders, one("orders", "kept", "k"), "waiter"))
+        blocked(orders, waiters[0])
         savepoint.rollback()
         return mid
 
-    outer = start(orders, publish_then_undo, "outer")
+    outer = open_transaction(orders, publish_then_undo, "outer")
     undone = returned(outer)
     kept = returned(waiters[0])  # the savepoint's rollback freed the key: no wait for `outer`
     assert kept != undone
@@ -296,12 +224,12 @@ def test_a_consumer_draining_while_keyed_publishers_race_gets_each_message_once(
 
 
 def test_a_subscribe_while_a_keyed_publisher_waits_gives_the_group_each_message_once(orders):
-    holder = start(orders, one("orders", "held", "k"), "holder")
+    holder = open_transaction(orders, one("orders", "held", "k"), "holder")
     returned(holder)
-    waiter = start(orders, one("orders", "waits", "k"), "waiter")
-    waiting(orders, waiter)
-    late = start(orders, lambda conn: pgq.subscribe(conn, "late", "orders"), "subscribe")
-    waiting(orders, late)  # for both publishers' topic lock
+    waiter = open_transaction(orders, one("orders", "waits", "k"), "waiter")
+    blocked(orders, waiter)
+    late = open_transaction(orders, lambda conn: pgq.subscribe(conn, "late", "orders"), "subscribe")
+    blocked(orders, late)  # for both publishers' topic lock
     mid = holder.finish()
     assert waiter.finish() == mid
     late.finish()

@@ -15,7 +15,15 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
-from helpers import FAST, rows, wait_until
+from helpers import (
+    FAST,
+    TX_OUTAGE,
+    commit_waiting,
+    commits_wait,
+    rows,
+    transactional_consumer,
+    wait_until,
+)
 from sqlalchemy import Connection, Engine, text
 
 import pgq
@@ -48,40 +56,6 @@ def done_count(engine: Engine) -> int:
     return int(pgq.status(engine, "billing")["counts"]["done"])
 
 
-def commits_wait(engine: Engine, schema: str) -> None:
-    """Deferred triggers: every transaction that ends a lease of `delivery` (an ack)
-    waits, at its COMMIT, for `COMMIT_LOCK`."""
-    key = ", ".join(map(str, COMMIT_LOCK))
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                f'CREATE FUNCTION "{schema}".commit_waits() RETURNS trigger LANGUAGE plpgsql'
-                f" AS $$ BEGIN PERFORM pg_advisory_xact_lock_shared({key}); RETURN NULL; END $$"
-            )
-        )
-        for event, when in (
-            ("UPDATE", "OLD.lease_owner IS NOT NULL AND NEW.lease_owner IS NULL"),
-            ("DELETE", "OLD.lease_owner IS NOT NULL"),
-        ):
-            conn.execute(
-                text(
-                    f"CREATE CONSTRAINT TRIGGER commit_waits_{event.lower()} AFTER {event}"
-                    f' ON "{schema}".delivery DEFERRABLE INITIALLY DEFERRED FOR EACH ROW'
-                    f' WHEN ({when}) EXECUTE FUNCTION "{schema}".commit_waits()'
-                )
-            )
-
-
-def commit_waiting(holder: psycopg.Connection) -> bool:
-    found = holder.execute(
-        "SELECT count(*) FROM pg_locks l JOIN pg_database db ON db.oid = l.database"
-        " WHERE db.datname = current_database() AND l.locktype = 'advisory'"
-        " AND l.classid = %s AND l.objid = %s AND l.objsubid = 2 AND NOT l.granted",
-        COMMIT_LOCK,
-    ).fetchone()
-    return found is not None and found[0] > 0
-
-
 @pytest.fixture
 def holder(pg_dsn: str) -> Iterator[psycopg.Connection]:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -96,40 +70,43 @@ def proxy(pg_dsn: str):
         yield p
 
 
+@pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
 def test_a_commit_whose_answer_was_lost_counts_as_done(
-    pg_dsn, schema, orders, effects, holder, proxy
+    pg_dsn, schema, orders, effects, holder, proxy, batch
 ):
     """The COMMIT reaches the server and commits; the connection is cut before its
     answer arrives: the row tells the worker it happened, so it counts done (not
     refused), and the effect is there once."""
-    ids = pgq.publish_many(orders, "orders", [{"n": 1}])
-    commits_wait(orders, schema)
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(3 if batch else 1)])
+    commits_wait(orders, schema, COMMIT_LOCK)
     holder.execute("SELECT pg_advisory_lock(%s, %s)", COMMIT_LOCK)
     through = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
 
     def handler(message: pgq.Message, conn: Connection) -> None:
         write_effect(effects, message, conn)
 
-    consumer = pgq.Consumer(through, "billing", handler, transactional=True, lease=3.0, **FAST)
+    consumer = transactional_consumer(through, handler, batch=batch, workers=1, lease=3.0, **FAST)
     consumer.start()
     try:
-        wait_until(lambda: commit_waiting(holder), WAIT, "the commit to wait")
+        wait_until(lambda: commit_waiting(holder, COMMIT_LOCK), WAIT, "the commit to wait")
         proxy.stall()  # the commit's answer stays in the proxy
         holder.execute("SELECT pg_advisory_unlock(%s, %s)", COMMIT_LOCK)
-        wait_until(lambda: done_count(orders) == 1, WAIT, "the commit")
+        wait_until(lambda: done_count(orders) >= 1, WAIT, "the commit")
         proxy.cut()
         proxy.resume()
-        wait_until(lambda: consumer.snapshot().handled == 1, WAIT, "the attempt counted")
+        wait_until(lambda: consumer.snapshot().handled == len(ids), WAIT, "the attempts counted")
     finally:
+        proxy.resume()
         summary = consumer.stop(timeout=10)
         through.dispose()
-    assert (summary.done, summary.refused) == (1, 0), summary
+    assert (summary.done, summary.refused) == (len(ids), 0), summary
     assert effect_counts(orders, effects) == Counter(ids)
-    assert done_count(orders) == 1
+    assert done_count(orders) == len(ids)
 
 
+@pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
 def test_a_commit_cut_while_the_server_still_runs_it_counts_as_done(
-    pg_dsn, schema, orders, effects, holder, proxy
+    pg_dsn, schema, orders, effects, holder, proxy, batch
 ):
     """The connection is cut while the server still works on the COMMIT (a deferred
     trigger, a synchronous replica, a lock): the worker asks the row at once, sees it
@@ -139,36 +116,39 @@ def test_a_commit_cut_while_the_server_still_runs_it_counts_as_done(
     process the commit went to and waits for it to be gone before it reads the row:
     the commit then either happened (counted done) or was ended (counted refused,
     and the message runs again) — never counted refused while it commits."""
-    ids = pgq.publish_many(orders, "orders", [{"n": 1}])
-    commits_wait(orders, schema)
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(3 if batch else 1)])
+    commits_wait(orders, schema, COMMIT_LOCK)
     holder.execute("SELECT pg_advisory_lock(%s, %s)", COMMIT_LOCK)
     through = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
 
     def handler(message: pgq.Message, conn: Connection) -> None:
         write_effect(effects, message, conn)
 
-    consumer = pgq.Consumer(through, "billing", handler, transactional=True, lease=3.0, **FAST)
+    consumer = transactional_consumer(through, handler, batch=batch, workers=1, lease=3.0, **FAST)
     consumer.start()
     try:
-        wait_until(lambda: commit_waiting(holder), WAIT, "the commit to wait")
+        wait_until(lambda: commit_waiting(holder, COMMIT_LOCK), WAIT, "the commit to wait")
         proxy.cut()  # the server keeps running the COMMIT
-        wait_until(lambda: consumer.snapshot().handled == 1, 5, "the attempt counted")
+        wait_until(lambda: consumer.snapshot().handled >= 1, 5, "the attempt counted")
         holder.execute("SELECT pg_advisory_unlock(%s, %s)", COMMIT_LOCK)
-        wait_until(lambda: done_count(orders) == 1, WAIT, "the commit")
+        wait_until(lambda: done_count(orders) == len(ids), WAIT, "the commit")
     finally:
         holder.execute("SELECT pg_advisory_unlock_all()")
         summary = consumer.stop(timeout=10)
         through.dispose()
     assert effect_counts(orders, effects) == Counter(ids)
-    assert done_count(orders) == 1
-    assert summary.done == 1, summary
-    assert summary.refused == summary.handled - 1, summary  # ended: it ran again
+    assert done_count(orders) == len(ids)
+    assert summary.done == len(ids), summary
+    assert summary.refused == summary.handled - len(ids), summary  # ended: it ran again
 
 
-def test_a_commit_that_never_reached_the_server_runs_again(pg_dsn, schema, orders, effects, proxy):
+@pytest.mark.parametrize("batch", [False, True], ids=["single", "batch"])
+def test_a_commit_that_never_reached_the_server_runs_again(
+    pg_dsn, schema, orders, effects, proxy, batch
+):
     """The connection is cut before the outcome and the COMMIT reach the server: nothing
     committed; the message runs again and its effect is there once."""
-    ids = pgq.publish_many(orders, "orders", [{"n": 1}])
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(3 if batch else 1)])
     through = pgq.connect(proxy.dsn(pg_dsn), schema=schema)
     returning, stalled = threading.Event(), threading.Event()
 
@@ -178,7 +158,7 @@ def test_a_commit_that_never_reached_the_server_runs_again(pg_dsn, schema, order
             returning.set()
             assert stalled.wait(WAIT)
 
-    consumer = pgq.Consumer(through, "billing", handler, transactional=True, lease=2.0, **FAST)
+    consumer = transactional_consumer(through, handler, batch=batch, workers=1, lease=2.0, **FAST)
     consumer.start()
     try:
         wait_until(returning.is_set, WAIT, "the handler to be about to return")
@@ -187,14 +167,14 @@ def test_a_commit_that_never_reached_the_server_runs_again(pg_dsn, schema, order
         wait_until(lambda: proxy.open_connections >= 1, WAIT, "connections")
         proxy.cut()  # they never reach the server
         proxy.resume()
-        wait_until(lambda: done_count(orders) == 1, WAIT, "the message to run again")
+        wait_until(lambda: done_count(orders) == len(ids), WAIT, "the message to run again")
     finally:
         stalled.set()
         summary = consumer.stop(timeout=10)
         through.dispose()
     assert effect_counts(orders, effects) == Counter(ids)
-    assert done_count(orders) == 1
-    assert summary.done == 1, summary
+    assert done_count(orders) == len(ids)
+    assert summary.done == len(ids), summary
 
 
 def test_a_timed_out_attempt_does_not_keep_its_locks_from_the_retry(orders, effects):
@@ -254,14 +234,8 @@ def test_an_outage_with_few_attempts_is_refunded_and_each_effect_commits_once(or
         "billing",
         handler,
         transactional=True,
-        workers=2,
         max_attempts=2,
-        breaker_min_members=1,
-        breaker_window=4,
-        breaker_min_calls=4,
-        breaker_failure_rate=0.5,
-        breaker_probe_interval=0.2,
-        **FAST,
+        **TX_OUTAGE,
     )
     consumer.start()
     try:

@@ -11,6 +11,7 @@ equals the messages, and nothing is lost.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 from helpers import FAST, rows
@@ -181,3 +182,151 @@ def test_a_savepoint_left_open_commits_with_the_ack(orders, effects):
     found = effect_counts(orders, effects)
     assert summary.done == 2, summary
     assert found == Counter(ids), found
+
+
+def batch_consumer(
+    engine: Engine, batch: Callable[[list[pgq.Message], Connection], None], **settings: object
+) -> pgq.Consumer:
+    """A transactional consumer of `billing` with the batch handler `batch`, one worker."""
+    return pgq.Consumer(
+        engine,
+        "billing",
+        batch_handler=batch,
+        transactional=True,
+        workers=1,
+        **{**FAST, **settings},  # type: ignore[arg-type]
+    )
+
+
+MISBEHAVIOURS = [
+    "sql_commit",
+    "dbapi_commit",
+    "conn_commit_swallowed",
+    "sql_rollback",
+    "dbapi_rollback",
+    "conn_rollback",
+    "conn_close",
+    "invalidate",
+    "dbapi_close",
+]
+
+
+def misbehave(conn: Connection, how: str) -> None:
+    """End pgq's transaction, or the connection, the way `how` says."""
+    if how == "sql_commit":
+        conn.execute(text("COMMIT"))
+    elif how == "dbapi_commit":
+        conn.connection.commit()
+    elif how == "conn_commit_swallowed":
+        try:
+            conn.commit()
+        except pgq.PgqError:
+            pass
+    elif how == "sql_rollback":
+        conn.execute(text("ROLLBACK"))
+    elif how == "dbapi_rollback":
+        conn.connection.rollback()
+    elif how == "conn_rollback":
+        conn.rollback()
+    elif how == "conn_close":
+        conn.close()
+    elif how == "invalidate":
+        conn.invalidate()
+    else:
+        conn.connection.dbapi_connection.close()
+
+
+@pytest.mark.parametrize("how", MISBEHAVIOURS)
+def test_a_batch_handler_that_ends_the_transaction_or_the_connection_leaves_each_effect_once(
+    orders, effects, how
+):
+    """The batch handler writes its batch's effects, then ends pgq's transaction (a
+    commit by any route, a rollback) or its connection midway, and writes on where
+    it can: that attempt fails for the whole batch with nothing of it kept, the
+    member runs on, and the batch's next attempt commits each effect once."""
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(4)])
+    calls: list[int] = []
+
+    def batch(messages: list[pgq.Message], conn: Connection) -> None:
+        calls.append(len(messages))
+        first, *rest = messages
+        write_effect(effects, first, conn)
+        if len(calls) == 1:
+            try:
+                misbehave(conn, how)
+            except pgq.PgqError:
+                if how not in ("sql_commit", "dbapi_commit"):
+                    raise
+        for message in rest:
+            try:
+                write_effect(effects, message, conn)
+            except Exception:
+                if len(calls) > 1:
+                    raise
+
+    consumer = batch_consumer(orders, batch, max_attempts=3, lease=2.0)
+    summary = consumer.run(until_empty=True, wait_retries=5.0, max_runtime=WAIT)
+    assert consumer.clean, summary
+    assert (summary.stop_reason, summary.done, summary.dead) == ("empty", 4, 0), (summary, calls)
+    assert effect_counts(orders, effects) == Counter(ids)
+    assert done_count(orders) == 4
+
+
+def test_savepoints_in_a_batch_handler_are_its_own(orders, effects):
+    """A batch handler that works each message in a savepoint: released, rolled back
+    (`ROLLBACK TO` by SQL or `begin_nested().rollback()`) and written again, or left
+    open. What its savepoints kept commits with the acks, each effect once."""
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(6)])
+
+    def batch(messages: list[pgq.Message], conn: Connection) -> None:
+        for n, message in enumerate(messages):
+            if n % 3 == 0:
+                with conn.begin_nested():
+                    write_effect(effects, message, conn)
+            elif n % 3 == 1:
+                conn.execute(text("SAVEPOINT again"))
+                write_effect(effects, message, conn)
+                conn.execute(text("ROLLBACK TO SAVEPOINT again"))
+                nested = conn.begin_nested()
+                write_effect(effects, message, conn)
+                nested.rollback()
+                write_effect(effects, message, conn)
+            else:
+                conn.begin_nested()  # left open
+                write_effect(effects, message, conn)
+
+    consumer = batch_consumer(orders, batch)
+    summary = consumer.run(until_empty=True, wait_retries=3.0, max_runtime=WAIT)
+    assert (summary.done, summary.refused, summary.retried) == (6, 0, 0), summary
+    assert effect_counts(orders, effects) == Counter(ids)
+
+
+@pytest.mark.parametrize("names", ["nothing", "ids_as_text", "other_ids"])
+def test_a_partial_failure_that_names_no_message_of_its_batch_fails_the_batch(
+    orders, effects, names
+):
+    """`PartialFailure` fails the messages it names and sends the others back
+    uncharged. One that names none of its batch's messages (empty; ids as text, as
+    they come back from JSON; ids of another batch) sent every message back
+    uncharged: the batch ran again at once, for ever, and never died. It must fail
+    the whole batch, charged, saying why."""
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(3)])
+    calls: list[int] = []
+
+    def batch(messages: list[pgq.Message], conn: Connection) -> None:
+        calls.append(len(messages))
+        for message in messages:
+            write_effect(effects, message, conn)
+        if names == "nothing":
+            raise pgq.PartialFailure({})
+        if names == "ids_as_text":
+            raise pgq.PartialFailure({str(m.id): ValueError("bad") for m in messages})  # type: ignore[misc]
+        raise pgq.PartialFailure({m.id + 1000: ValueError("bad") for m in messages})
+
+    consumer = batch_consumer(orders, batch, max_attempts=2)
+    summary = consumer.run(until_empty=True, wait_retries=5.0, max_runtime=10.0)
+    assert (summary.stop_reason, summary.dead) == ("empty", 3), (summary, len(calls))
+    assert len(calls) <= 6, len(calls)  # before: thousands of calls in the 10 s
+    assert effect_counts(orders, effects) == Counter()
+    found = rows(orders, "billing")
+    assert all("PartialFailure" in found[mid].last_error for mid in ids), found

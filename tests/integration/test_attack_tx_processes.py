@@ -1,7 +1,9 @@
 """Attacks on transactional handlers (decision 0042, issue 22 §1) with real member
 processes (`tests/tx_member.py`): kill -9 mid-handler, mid-commit and right after
 the commit; SIGSTOP past the lease then SIGCONT; SIGTERM (once, twice) while
-handlers' transactions are open.
+handlers' transactions are open. Each attack runs twice: on the single-message
+handler and on the batch handler (`batch_handler=`, one transaction for a batch),
+and the batch handler's `PartialFailure` is attacked under kill -9.
 
 The effect table has no unique key: a duplicate effect is a second row. After each
 attack an in-process member drains the group; then every message's effect row
@@ -14,14 +16,23 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
-from helpers import FAST, TESTS_DIR, finish, rows, wait_until
+from helpers import (
+    FAST,
+    TESTS_DIR,
+    commit_waiting,
+    commits_wait,
+    finish,
+    rows,
+    spawn_tx_member,
+    transactional_consumer,
+    wait_until,
+)
 from sqlalchemy import Connection, Engine, text
 
 import pgq
@@ -37,7 +48,7 @@ COMMIT_LOCK = (20_517, 11)
 def effects(orders: Engine, schema: str) -> str:
     table = f'"{schema}".effects'
     with orders.begin() as conn:
-        conn.execute(text(f"CREATE TABLE {table} (message_id bigint, attempt int)"))
+        conn.execute(text(f"CREATE TABLE {table} (message_id bigint, attempt int, member text)"))
     return table
 
 
@@ -53,12 +64,21 @@ def done_count(engine: Engine) -> int:
 class Members:
     """`tx_member.py` processes of group `billing`, by name."""
 
-    def __init__(self, dsn: str, schema: str, table: str, out: Path, procs: list) -> None:
+    def __init__(
+        self, dsn: str, schema: str, table: str, out: Path, procs: list, batch: bool
+    ) -> None:
         self.dsn, self.schema, self.table, self.out, self.procs = dsn, schema, table, out, procs
+        self.batch = batch
+        """Batch handlers (`batch_handler=`) rather than single-message ones."""
         self.by_name: dict[str, subprocess.Popen[str]] = {}
 
     def spawn(
-        self, name: str, until_empty: bool = False, lock_key: int | None = None, **settings: object
+        self,
+        name: str,
+        until_empty: bool = False,
+        lock_key: int | None = None,
+        partial: list[int] = (),  # type: ignore[assignment]
+        **settings: object,
     ) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
@@ -71,20 +91,12 @@ class Members:
             TXQ_DIR=str(self.out),
             TXQ_SETTINGS=json.dumps({**FAST, "lease": LEASE, "workers": 2, **settings}),
             TXQ_UNTIL_EMPTY="1" if until_empty else "0",
+            TXQ_BATCH="1" if self.batch else "0",
+            TXQ_PARTIAL=",".join(map(str, partial)),
         )
         if lock_key is not None:
             env["TXQ_LOCK_KEY"] = str(lock_key)
-        log = (self.out / f"{name}.log").open("w")
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, str(TESTS_DIR / "tx_member.py")],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                text=True,
-            )
-        finally:
-            log.close()
+        proc = spawn_tx_member(env, self.out / f"{name}.log")
         self.procs.append(proc)
         self.by_name[name] = proc
 
@@ -108,9 +120,9 @@ class Members:
         (self.out / f"go-{mid}").touch()
 
 
-@pytest.fixture
-def members(pg_dsn, schema, effects, tmp_path, procs) -> Members:
-    return Members(pg_dsn, schema, effects, tmp_path, procs)
+@pytest.fixture(params=["single", "batch"])
+def members(request, pg_dsn, schema, effects, tmp_path, procs) -> Members:
+    return Members(pg_dsn, schema, effects, tmp_path, procs, batch=request.param == "batch")
 
 
 def write_effect(table: str) -> Callable[[pgq.Message, Connection], None]:
@@ -123,13 +135,15 @@ def write_effect(table: str) -> Callable[[pgq.Message, Connection], None]:
     return handler
 
 
-def drain(engine: Engine, table: str, expected: int, **settings: object) -> pgq.RunSummary:
-    """An in-process member finishes what is left (reclaiming expired leases)."""
-    consumer = pgq.Consumer(
+def drain(
+    engine: Engine, table: str, expected: int, batch: bool = False, **settings: object
+) -> pgq.RunSummary:
+    """An in-process member finishes what is left (reclaiming expired leases), with a
+    batch handler when `batch`."""
+    consumer = transactional_consumer(
         engine,
-        "billing",
         write_effect(table),
-        transactional=True,
+        batch=batch,
         lease=LEASE,
         **{**FAST, **settings},
     )
@@ -151,40 +165,6 @@ def assert_invariant(engine: Engine, table: str, ids: list[int]) -> None:
     assert done_count(engine) == len(ids)
 
 
-def commits_wait(engine: Engine, schema: str) -> None:
-    """A deferred trigger: every transaction that ends a lease of `delivery` (an ack)
-    waits, at its COMMIT, for `COMMIT_LOCK`."""
-    key = ", ".join(map(str, COMMIT_LOCK))
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                f'CREATE FUNCTION "{schema}".commit_waits() RETURNS trigger LANGUAGE plpgsql'
-                f" AS $$ BEGIN PERFORM pg_advisory_xact_lock_shared({key}); RETURN NULL; END $$"
-            )
-        )
-        for event, when in (
-            ("UPDATE", "OLD.lease_owner IS NOT NULL AND NEW.lease_owner IS NULL"),
-            ("DELETE", "OLD.lease_owner IS NOT NULL"),
-        ):
-            conn.execute(
-                text(
-                    f"CREATE CONSTRAINT TRIGGER commit_waits_{event.lower()} AFTER {event}"
-                    f' ON "{schema}".delivery DEFERRABLE INITIALLY DEFERRED FOR EACH ROW'
-                    f' WHEN ({when}) EXECUTE FUNCTION "{schema}".commit_waits()'
-                )
-            )
-
-
-def commit_waiting(holder: psycopg.Connection) -> bool:
-    found = holder.execute(
-        "SELECT count(*) FROM pg_locks l JOIN pg_database db ON db.oid = l.database"
-        " WHERE db.datname = current_database() AND l.locktype = 'advisory'"
-        " AND l.classid = %s AND l.objid = %s AND l.objsubid = 2 AND NOT l.granted",
-        COMMIT_LOCK,
-    ).fetchone()
-    return found is not None and found[0] > 0
-
-
 @pytest.fixture
 def holder(pg_dsn: str) -> Iterator[psycopg.Connection]:
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
@@ -198,37 +178,37 @@ def test_kill_9_mid_handler(orders, effects, members):
     wait_until(lambda: members.started("a", ids[2]), WAIT, "a's handler on the held message")
     members.by_name["a"].kill()
     members.by_name["a"].wait(10)
-    drain(orders, effects, len(ids))
+    drain(orders, effects, len(ids), members.batch)
     assert_invariant(orders, effects, ids)
 
 
 def test_kill_9_mid_commit(orders, schema, effects, members, holder):
     """The member dies while its COMMIT waits on the server: the server finishes that
     transaction on its own (effect and ack together)."""
-    ids = pgq.publish_many(orders, "orders", [{"n": 1}])
-    commits_wait(orders, schema)
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(3)])
+    commits_wait(orders, schema, COMMIT_LOCK)
     holder.execute("SELECT pg_advisory_lock(%s, %s)", COMMIT_LOCK)
     members.spawn("a", workers=1)
-    wait_until(lambda: commit_waiting(holder), WAIT, "a's commit to wait")
+    wait_until(lambda: commit_waiting(holder, COMMIT_LOCK), WAIT, "a's commit to wait")
     members.by_name["a"].kill()
     members.by_name["a"].wait(10)
     holder.execute("SELECT pg_advisory_unlock(%s, %s)", COMMIT_LOCK)
-    drain(orders, effects, len(ids))
+    drain(orders, effects, len(ids), members.batch)
     assert_invariant(orders, effects, ids)
 
 
 def test_kill_9_right_after_the_commit(orders, schema, effects, members, holder):
     ids = pgq.publish_many(orders, "orders", [{"n": 1}, {"n": 2}])
-    commits_wait(orders, schema)
+    commits_wait(orders, schema, COMMIT_LOCK)
     holder.execute("SELECT pg_advisory_lock(%s, %s)", COMMIT_LOCK)
     members.spawn("a", workers=1)
-    wait_until(lambda: commit_waiting(holder), WAIT, "a's commit to wait")
+    wait_until(lambda: commit_waiting(holder, COMMIT_LOCK), WAIT, "a's commit to wait")
     members.by_name["a"].send_signal(signal.SIGSTOP)  # its answer will wait
     holder.execute("SELECT pg_advisory_unlock(%s, %s)", COMMIT_LOCK)
     wait_until(lambda: effect_counts(orders, effects)[ids[0]] == 1, WAIT, "the commit")
     members.by_name["a"].kill()  # the commit happened; a never read its answer
     members.by_name["a"].wait(10)
-    drain(orders, effects, len(ids))
+    drain(orders, effects, len(ids), members.batch)
     assert_invariant(orders, effects, ids)
 
 
@@ -239,7 +219,7 @@ def test_sigstop_past_the_lease_then_sigcont_rolls_the_stale_attempt_back(orders
     a = members.by_name["a"]
     wait_until(lambda: members.started("a", ids[1]), WAIT, "a's handler on the held message")
     a.send_signal(signal.SIGSTOP)
-    drain(orders, effects, len(ids))  # after a's lease ran out
+    drain(orders, effects, len(ids), members.batch)  # after a's lease ran out
     members.go(ids[1])
     a.send_signal(signal.SIGCONT)
     wait_until(lambda: members.returned("a", ids[1]), WAIT, "a's stale handler to return")
@@ -313,7 +293,7 @@ def test_sigterm_with_transactions_open(orders, effects, members, signals):
     assert code in (0, 1), members.log("a")
     for mid in ids[:2]:
         members.go(mid)
-    drain(orders, effects, len(ids))
+    drain(orders, effects, len(ids), members.batch)
     assert_invariant(orders, effects, ids)
 
 
@@ -331,5 +311,33 @@ def test_sigterm_then_the_handlers_finish_within_the_grace(orders, effects, memb
     code, _, _ = finish(a, 30)
     assert code == 0, members.log("a")
     assert all(effect_counts(orders, effects)[mid] == 1 for mid in ids[:2])
-    drain(orders, effects, len(ids))
+    drain(orders, effects, len(ids), members.batch)
+    assert_invariant(orders, effects, ids)
+
+
+@pytest.mark.parametrize("members", ["batch"], indirect=True)
+@pytest.mark.parametrize("kill", ["at_the_partial_failure", "in_the_rerun"])
+def test_kill_9_around_a_partial_failure(orders, effects, members, kill):
+    """The batch handler writes every message's effect, then fails one alone
+    (`PartialFailure`): all its writes roll back, the named message's failure goes to
+    the acker, the others back to ready. The member is killed as it raises (the
+    failure and the release perhaps not written yet), or while it runs the others
+    again (held). Whatever was written then, the drain ends with each effect once."""
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(4)])
+    if kill == "in_the_rerun":
+        members.hold(ids[1])
+    members.spawn("a", workers=1, partial=[ids[0]])
+    a = members.by_name["a"]
+    wait_until(lambda: f"partial {ids[0]}" in members.notes("a"), WAIT, "the partial failure")
+    if kill == "in_the_rerun":
+        wait_until(
+            lambda: [line for line in members.notes("a") if line.startswith(f"started {ids[1]} ")][
+                1:
+            ],
+            WAIT,
+            "the others run again",
+        )
+    a.kill()
+    a.wait(10)
+    drain(orders, effects, len(ids), members.batch)
     assert_invariant(orders, effects, ids)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import FAST, wait_until
+from helpers import FAST, JOIN, blocked, open_transaction
 from sqlalchemy import Connection, Engine, func, select, text
 
 import pgq
@@ -23,9 +23,6 @@ from pgq import schema as t
 from pgq.errors import InvalidPayload, TransactionConflict, UnknownTopic, UsageError
 from pgq.store import GroupStore
 from pgq.store.topics import DEDUPE_KEY_MAX
-
-JOIN = 30.0
-"""Seconds any thread or process of these tests may take to finish once asked."""
 
 
 def messages(engine: Engine, dedupe_key: str | None = None) -> list[tuple[int, Any]]:
@@ -121,57 +118,6 @@ def test_the_longest_key_and_any_text_are_keys(orders):
 # --- publishers at once: transactions ----------------------------------------------
 
 
-class Session(threading.Thread):
-    """`fn(conn)` in one transaction on its own connection, in a thread; `end` decides
-    when it commits (or rolls back, with `rollback`), so commits can come in any order."""
-
-    def __init__(self, engine: Engine, fn: Callable[[Connection], Any], name: str) -> None:
-        super().__init__(name=name, daemon=True)
-        self.engine, self.fn = engine, fn
-        self.pid: int | None = None
-        self.connected = threading.Event()
-        self.done = threading.Event()  # fn returned (or raised)
-        self.end = threading.Event()
-        self.rollback = False
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            with self.engine.connect() as conn:
-                self.pid = conn.execute(text("SELECT pg_backend_pid()")).scalar_one()
-                conn.commit()
-                self.connected.set()
-                conn.begin()
-                try:
-                    self.result = self.fn(conn)
-                finally:
-                    self.done.set()
-                assert self.end.wait(JOIN), f"{self.name} was never told to end"
-                conn.rollback() if self.rollback else conn.commit()
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.connected.set()
-            self.done.set()
-
-    def finish(self, rollback: bool = False) -> Any:
-        self.rollback = rollback
-        self.end.set()
-        self.join(JOIN)
-        assert not self.is_alive(), f"{self.name} still running after {JOIN:g}s"
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
-def begin(engine: Engine, fn: Callable[[Connection], Any], name: str) -> Session:
-    session = Session(engine, fn, name)
-    session.start()
-    assert session.connected.wait(JOIN), f"{name} did not connect"
-    return session
-
-
 def published(dedupe_keys: list[str]) -> Callable[[Connection], list[int]]:
     def run(conn: Connection) -> list[int]:
         return pgq.publish_many(conn, "orders", dedupe_keys, dedupe_keys=dedupe_keys)
@@ -179,30 +125,10 @@ def published(dedupe_keys: list[str]) -> Callable[[Connection], list[int]]:
     return run
 
 
-def waits_for_lock(engine: Engine, session: Session) -> bool:
-    with engine.connect() as conn:
-        return bool(
-            conn.execute(
-                text("SELECT wait_event_type = 'Lock' FROM pg_stat_activity WHERE pid = :pid"),
-                {"pid": session.pid},
-            ).scalar()
-        )
-
-
-def blocked(engine: Engine, session: Session) -> None:
-    """Wait until `session`'s publish waits for a lock (failing if it returned)."""
-    wait_until(
-        lambda: session.done.is_set() or waits_for_lock(engine, session),
-        JOIN,
-        f"{session.name} to wait for a lock",
-    )
-    assert not session.done.is_set(), f"{session.name} did not wait: {session.error!r}"
-
-
 def test_a_publisher_whose_transaction_rolls_back_leaves_the_key_to_the_one_waiting(orders):
-    first = begin(orders, published(["k"]), "first")
+    first = open_transaction(orders, published(["k"]), "first")
     assert first.done.wait(JOIN)
-    second = begin(orders, published(["k"]), "second")
+    second = open_transaction(orders, published(["k"]), "second")
     blocked(orders, second)  # for the first's transaction: its message may yet commit
     [lost] = first.finish(rollback=True)
     [kept] = second.finish()
@@ -215,11 +141,11 @@ def test_publishers_committing_out_of_order_end_with_one_message_per_key(orders)
     """A publishes `a` and stays open; B publishes `b` and stays open; C publishes
     [b, a] and waits for B, then for A; B commits before A, which began first. C gets
     each key's first id and inserts nothing; D, after everyone, gets them too."""
-    a = begin(orders, published(["a"]), "a")
+    a = open_transaction(orders, published(["a"]), "a")
     assert a.done.wait(JOIN)
-    b = begin(orders, published(["b"]), "b")
+    b = open_transaction(orders, published(["b"]), "b")
     assert b.done.wait(JOIN)
-    c = begin(orders, published(["b", "a"]), "c")
+    c = open_transaction(orders, published(["b", "a"]), "c")
     blocked(orders, c)
     [id_b] = b.finish()
     blocked(orders, c)  # now for A

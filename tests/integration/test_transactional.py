@@ -12,7 +12,7 @@ import time
 from collections import Counter
 
 import pytest
-from helpers import FAST, pin_frontier, rows, state_of, wait_until
+from helpers import FAST, TX_OUTAGE, pin_frontier, rows, state_of, wait_until
 from sqlalchemy import Connection, Engine, text
 
 import pgq
@@ -165,14 +165,8 @@ def test_a_probe_commits_its_effect_with_the_close(orders, effects):
         "billing",
         handler,
         transactional=True,
-        workers=2,
         max_attempts=50,
-        breaker_min_members=1,
-        breaker_window=4,
-        breaker_min_calls=4,
-        breaker_failure_rate=0.5,
-        breaker_probe_interval=0.2,
-        **FAST,
+        **TX_OUTAGE,
     )
     consumer.start()
     try:
