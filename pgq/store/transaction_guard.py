@@ -31,10 +31,6 @@ TRANSACTION_CONTROL = re.compile(
 )
 """A statement that would end or begin a transaction (a savepoint's are the handler's)."""
 
-IDLE_AFTER_HANDLER_MIN = 5.0
-"""The least time the transaction may stay idle between the handler's return and the
-commit (the lease, but no less, as a member's own sessions)."""
-
 MARKER = "pgq.attempt"
 """A setting pgq sets for the transaction alone (`set_config(..., true)`): still there
 after the handler, the transaction is still pgq's."""
