@@ -197,12 +197,14 @@ class Outcome(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class GroupInfo:
-    """A consumer group as stored: its id, name, topic and topic id."""
+    """A consumer group as stored: its id, name, topic and topic id, and whether it is
+    ordered (DESIGN §7)."""
 
     id: int
     name: str
     topic: str
     topic_id: int
+    ordered: bool
 
 
 @dataclass(frozen=True, slots=True)

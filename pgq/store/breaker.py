@@ -114,7 +114,8 @@ class BreakerStore(Claims, Outcomes):
         params["token"] = self.tokens.next(conn)
         for kind in breaker_sql.PROBE_KINDS:
             for probed in (False, True):
-                rows = self._lease(conn, partial(breaker_sql.claim_probe, kind, probed), params)
+                statement = partial(breaker_sql.claim_probe, kind, probed, ordered=self.ordered)
+                rows = self._lease(conn, lambda bodies: statement(bodies=bodies), params)
                 if rows:
                     self.renew_probe(conn, epoch, hold)
                     return self._claimed(rows, epoch, probe=True)[0]

@@ -75,7 +75,8 @@ class Claims(GroupScope):
             "lease": self.lease,
             "token": self.tokens.next(conn),
         }
-        rows = self._lease(conn, partial(claim_sql.claim, limit), params)
+        statement = partial(claim_sql.claim, limit, ordered=self.ordered)
+        rows = self._lease(conn, lambda bodies: statement(bodies=bodies), params)
         return self._claimed(rows, epoch, probe)
 
     def _lease(
