@@ -90,6 +90,10 @@ class Member:
     numbers: GroupNumbers | None = None
     """The group's numbers for the metrics, while they are served (`Consumer.measure()`):
     a maintenance task keeps them fresh (`pgq.consumer.numbers`)."""
+    freed: threading.Event = field(default_factory=threading.Event)
+    """In an ordered group, set when rows this member held were let go (their outcome
+    written, or released): their keys may be free, so the fetcher claims again at
+    once instead of waiting for a publish or its poll (decision 0043)."""
 
     @property
     def name(self) -> str:
@@ -166,6 +170,8 @@ class Member:
         with self.lock:
             for lease in leases:
                 self.held.pop(lease, None)
+        if self.store.ordered:
+            self.freed.set()
 
     def defer(self, row: Claimed) -> None:
         """A closed gate turned `row` away: release it with the next batch."""
