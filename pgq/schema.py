@@ -130,7 +130,7 @@ consumer_group = Table(
     # before): `pgq show` tells a finished message whose row the ack deleted by it
     Column("start", Text),
     # messages with the same key are handled one at a time, in frontier order
-    # (schema version 8; DESIGN §7 "Ordered groups", decision 0043)
+    # (schema version 8; DESIGN §7 "Ordered groups", decision 0044)
     Column("ordered", Boolean, nullable=False, server_default=text("false")),
     CheckConstraint(_one_of("start", *Start), name="consumer_group_start_check"),
 )
@@ -239,8 +239,7 @@ key_order_index = Index(
         delivery.c.key.is_not(None),
         or_(
             delivery.c.state.in_([RowState.READY.value, RowState.LEASED.value]),
-            delivery.c.refundable_attempts + delivery.c.refundable_reclaims
-            > literal_column("0"),
+            delivery.c.refundable_attempts + delivery.c.refundable_reclaims > literal_column("0"),
         ),
     ),
 )
@@ -248,9 +247,7 @@ key_leased_index = Index(
     "delivery_key_leased_idx",
     delivery.c.group_id,
     delivery.c.key,
-    postgresql_where=and_(
-        delivery.c.key.is_not(None), delivery.c.state == RowState.LEASED.value
-    ),
+    postgresql_where=and_(delivery.c.key.is_not(None), delivery.c.state == RowState.LEASED.value),
 )
 # `pgq dead` and `pgq check`: failed rows only
 Index(

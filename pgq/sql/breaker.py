@@ -373,9 +373,7 @@ def _probed_here() -> ColumnElement[bool]:
 
 
 @cache
-def claim_probe(
-    kind: str, probed: bool, bodies: bool = True, ordered: bool = False
-) -> Executable:
+def claim_probe(kind: str, probed: bool, bodies: bool = True, ordered: bool = False) -> Executable:
     """Lease one probe row of `kind` (see `PROBE_KINDS`) to `:member` for `:lease`.
 
     `probed` False takes the rows not yet probed in the outage at `:at_epoch`

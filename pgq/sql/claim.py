@@ -107,7 +107,7 @@ def claim(limit: int, bodies: bool = True, ordered: bool = False) -> Executable:
 
 
 def key_free() -> ColumnElement[bool]:
-    """The row may be leased in an ordered group (DESIGN §7, decision 0043): it has no
+    """The row may be leased in an ordered group (DESIGN §7, decision 0044): it has no
     key, or no row of its key is leased and none before it in frontier order is
     unresolved: ready (due or waiting for a retry) or leased, or dead of an outage
     whose close will refund it (`refund_pending`).
@@ -182,7 +182,7 @@ rows whose key is free. Without a bound, a group whose backlog is a few keys
 re-read the whole backlog at every claim (each row behind a running one of its key
 fails `key_free`): 41 messages/s draining 5,000 messages of 10 keys. With it a key
 whose next message lies further back waits until the rows before it are claimed
-(decision 0043)."""
+(decision 0044)."""
 
 
 def ready_pick(limit: int, ordered: bool = False) -> Any:

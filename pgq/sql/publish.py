@@ -72,9 +72,7 @@ def group_by_name() -> Executable:
     """Group `:name` with its topic's name."""
     g, tp = t.consumer_group, t.topic
     return (
-        select(
-            g.c.id, g.c.name, tp.c.name.label("topic"), tp.c.id.label("topic_id"), g.c.ordered
-        )
+        select(g.c.id, g.c.name, tp.c.name.label("topic"), tp.c.id.label("topic_id"), g.c.ordered)
         .join(tp, tp.c.id == g.c.topic_id)
         .where(g.c.name == bindparam("name"))
     )
@@ -94,7 +92,7 @@ def insert_group_state() -> Executable:
 
 def ordered_key(ordered: ColumnElement[bool], key: ColumnElement[Any]) -> ColumnElement[Any]:
     """A delivery row's key: the message's in an ordered group, NULL in any other, so
-    that only ordered groups' rows are in the key indexes (decision 0043)."""
+    that only ordered groups' rows are in the key indexes (decision 0044)."""
     return case((ordered, key))
 
 

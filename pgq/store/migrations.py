@@ -140,7 +140,7 @@ def _v7_dedupe_key(conn: Connection) -> None:
 
 
 def _v8_ordered_groups(conn: Connection) -> None:
-    # Ordered groups (decision 0043): a flag on the group and, on the delivery rows of
+    # Ordered groups (decision 0044): a flag on the group and, on the delivery rows of
     # ordered groups only, the message's key, with two partial indexes of keyed rows.
     # Every row that exists has no key, so each index is built by one scan of
     # `delivery` (its live rows: finished rows are deleted) and holds nothing. A fresh

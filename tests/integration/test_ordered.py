@@ -1,4 +1,4 @@
-"""Ordered groups (DESIGN §7, decision 0043) against a real server: within a group
+"""Ordered groups (DESIGN §7, decision 0044) against a real server: within a group
 subscribed with `ordered=True`, the messages of one key are leased one at a time in
 frontier order; other keys, and messages without a key, run in parallel. A retry or a
 delay holds the key, a dead message frees it, a reclaim keeps the order, and an
@@ -6,6 +6,7 @@ earlier message whose publish has not committed yet holds the later ones back.""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import threading
@@ -41,7 +42,9 @@ def ordered(orders: Engine) -> Engine:
     return orders
 
 
-def store_of(engine: Engine, group: str = "g", member: str = "m", lease: float = 30.0) -> GroupStore:
+def store_of(
+    engine: Engine, group: str = "g", member: str = "m", lease: float = 30.0
+) -> GroupStore:
     info = group_info(engine, group)
     return GroupStore(
         info.id, group, info.topic, member, lease, 3, topic_id=info.topic_id, ordered=info.ordered
@@ -94,9 +97,9 @@ def test_only_ordered_groups_rows_carry_the_key(ordered: Engine):
     with ordered.connect() as conn:
         keys = dict(
             conn.execute(
-                select(g.c.name, d.c.key).join(g, g.c.id == d.c.group_id).where(
-                    d.c.message_id == a1
-                )
+                select(g.c.name, d.c.key)
+                .join(g, g.c.id == d.c.group_id)
+                .where(d.c.message_id == a1)
             ).all()
         )
     assert keys == {"g": "a", "u": None, "late": "a", "late-u": None}
@@ -272,7 +275,7 @@ def check_order(intervals: Intervals, published: dict[str, list[int]]) -> None:
     for key, ids in published.items():
         seen = intervals.by_key[key]
         assert [i for i, _, _ in seen] == ids, key
-        for (_, _, end), (_, start, _) in zip(seen, seen[1:], strict=False):
+        for (_, _, end), (_, start, _) in itertools.pairwise(seen):
             assert start >= end, (key, seen)
 
 
