@@ -245,9 +245,13 @@ class TopicGroup:
     ordered groups)."""
 
     name: str
+    ordered: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"group": self.name}
+        return {"group": self.name, "ordered": True} if self.ordered else {"group": self.name}
+
+    def __str__(self) -> str:
+        return f"{self.name} (ordered)" if self.ordered else self.name
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ the value), so callers and readers that hold plain strings keep working.
 from __future__ import annotations
 
 import datetime as dt
+import math
 from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any, Literal, NamedTuple
@@ -173,6 +174,10 @@ class Claimed(NamedTuple):
     unreadable: str | None = None
     """Why the stored message could not be decoded (its payload is then None): the
     handler is not called and the attempt fails as `permanent`."""
+    claimed_at: float = math.inf
+    """When the claim that leased it began (`time.monotonic()`): a lease later its
+    lease may have lapsed, unless an extension kept it (`Member.lease_lapsed`).
+    Infinite (never lapsed) for a row made otherwise."""
 
     @property
     def id(self) -> int:
@@ -197,12 +202,14 @@ class Outcome(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class GroupInfo:
-    """A consumer group as stored: its id, name, topic and topic id."""
+    """A consumer group as stored: its id, name, topic and topic id, and whether it is
+    ordered (DESIGN §7)."""
 
     id: int
     name: str
     topic: str
     topic_id: int
+    ordered: bool
 
 
 @dataclass(frozen=True, slots=True)

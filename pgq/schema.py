@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     ForeignKey,
@@ -25,8 +26,10 @@ from sqlalchemy import (
     Sequence,
     Table,
     Text,
+    and_,
     func,
     literal_column,
+    or_,
     text,
 )
 from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
@@ -126,6 +129,9 @@ consumer_group = Table(
     # where its delivery started (schema version 6; NULL for groups subscribed
     # before): `pgq show` tells a finished message whose row the ack deleted by it
     Column("start", Text),
+    # messages with the same key are handled one at a time, in frontier order
+    # (schema version 8; DESIGN §7 "Ordered groups", decision 0044)
+    Column("ordered", Boolean, nullable=False, server_default=text("false")),
     CheckConstraint(_one_of("start", *Start), name="consumer_group_start_check"),
 )
 """What a group is: nothing here changes after subscribe (on Citus a reference table,
@@ -182,6 +188,9 @@ delivery = Table(
     # the breaker epoch the last failure happened under (reconciliation scope)
     Column("error_epoch", Integer),
     _now_column("updated_at"),
+    # the message's key, in an ordered group only (NULL elsewhere, so no other
+    # group's row is in the key indexes; schema version 8)
+    Column("key", Text),
     PrimaryKeyConstraint("group_id", "message_id"),
     CheckConstraint(_one_of("state", *RowState), name="delivery_state_check"),
     CheckConstraint(
@@ -216,6 +225,30 @@ Index(
 )
 # frontier: rows of one group in commit order
 Index("delivery_frontier_idx", delivery.c.group_id, delivery.c.xid, delivery.c.message_id)
+# ordered groups (schema version 8): a key's unresolved rows, and its rows an outage
+# charged, in frontier order; and its leased row. A row without a key (every row of
+# an unordered group) is in neither. The predicate's charge test is written as
+# `pgq.sql.refunds.carries_charges()` writes it.
+key_order_index = Index(
+    "delivery_key_order_idx",
+    delivery.c.group_id,
+    delivery.c.key,
+    delivery.c.xid,
+    delivery.c.message_id,
+    postgresql_where=and_(
+        delivery.c.key.is_not(None),
+        or_(
+            delivery.c.state.in_([RowState.READY.value, RowState.LEASED.value]),
+            delivery.c.refundable_attempts + delivery.c.refundable_reclaims > literal_column("0"),
+        ),
+    ),
+)
+key_leased_index = Index(
+    "delivery_key_leased_idx",
+    delivery.c.group_id,
+    delivery.c.key,
+    postgresql_where=and_(delivery.c.key.is_not(None), delivery.c.state == RowState.LEASED.value),
+)
 # `pgq dead` and `pgq check`: failed rows only
 Index(
     "delivery_failed_idx",

@@ -33,7 +33,7 @@ def topics_lines(data: Topics) -> list[str]:
         return ["no topics"]
     return table(
         ("TOPIC", "MESSAGES", "GROUPS"),
-        ((tp.name, tp.messages, ",".join(g.name for g in tp.groups) or None) for tp in data.topics),
+        ((tp.name, tp.messages, ",".join(map(str, tp.groups)) or None) for tp in data.topics),
     )
 
 

@@ -102,11 +102,17 @@ def topic_create(state: State, name: str) -> None:
     show_default=True,
     help="earliest: also every retained message; latest: only new ones",
 )
+@click.option(
+    "--ordered",
+    is_flag=True,
+    help="handle the messages of each key one at a time, in publish order",
+)
 @pass_state
-def subscribe(state: State, group: str, topic: str, start: str) -> None:
+def subscribe(state: State, group: str, topic: str, start: str, ordered: bool) -> None:
     """Create consumer group GROUP on TOPIC (idempotent)."""
-    subscribe_group(state.engine, group, topic, start="latest" if start == "latest" else "earliest")
-    click.echo(f"group {group} on topic {topic}")
+    begin = "latest" if start == "latest" else "earliest"
+    subscribe_group(state.engine, group, topic, start=begin, ordered=ordered)
+    click.echo(f"{'ordered group' if ordered else 'group'} {group} on topic {topic}")
 
 
 @click.command()

@@ -240,6 +240,7 @@ class Consumer:
         store = GroupStore(
             *(info.id, self.group, info.topic, self.name, s.lease, s.max_reclaims),
             topic_id=info.topic_id,
+            ordered=info.ordered,
         )
         member = Member(
             links=links,

@@ -99,6 +99,7 @@ class Fetcher(Role):
                 self.wake.clear()
             if limit <= 0 or m.stop_claiming.is_set() or gate.is_open():
                 continue  # the gate may have closed while we waited for space
+            m.freed.clear()  # what is let go from here on may free a key this claim missed
             try:
                 rows = self._claim(limit)
             except DatabaseUnavailable:
@@ -112,6 +113,8 @@ class Fetcher(Role):
                     continue  # its own last rows still run: claim again meanwhile
                 if gate.local.is_open or gate.claim_mode() != "normal":
                     continue  # a breaker tripped on those last rows: the loop's top decides
+                if m.freed.is_set():
+                    continue  # an ordered group: its own rows just freed their keys
                 drained = self._drained()
                 if drained is not None:
                     m.drained(drained.waiting_retry)
@@ -120,6 +123,11 @@ class Fetcher(Role):
                 self.listener.wait(DRAIN_RECHECK, m.stop_claiming)
                 continue
             self.wake.clear()
+            if m.store.ordered and m.in_flight():
+                # the keys this member runs are what holds the rows back: claim again
+                # when one of them is let go (a publish is heard at the next look)
+                m.freed.wait(m.settings.poll_interval)
+                continue
             self.listener.wait(m.settings.poll_interval, m.stop_claiming)
 
     def _claim(self, limit: int) -> list[Claimed]:

@@ -103,8 +103,10 @@ class Heartbeat(Role):
         leases = m.leases()
         if not leases:
             return
+        began = time.monotonic()
         kept = self.conn.run(m.store.extend, leases)
         lost = [lease for lease in leases if lease not in kept]
+        m.leases_kept(began, lost)
         if lost:
             # written meanwhile (fine) or reclaimed by someone else (fenced)
             with m.lock:

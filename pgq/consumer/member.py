@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -40,6 +41,12 @@ class Tally:
     released: int = 0
     reclaimed: int = 0
     refused: int = 0
+
+
+LEASE_TRUST = 0.75
+"""The part of a lease, from its claim or its last extension, within which a member
+trusts a held row's lease without asking: extensions run every third of a lease, so
+a member that runs normally is always within it."""
 
 
 @dataclass
@@ -94,6 +101,15 @@ class Member:
     tracing: ConsumerTracing | None = None
     """Each handler call's CONSUMER span, with the `otel` extra and a tracer provider
     set (`pgq.otel`); None otherwise, and then nothing is traced."""
+    leases_kept_at: float = -math.inf
+    """When the last lease extension that answered began (`time.monotonic()`): the
+    leases it kept hold until a lease after it (`lease_lapsed`)."""
+    lost: set[Lease] = field(default_factory=set)
+    """Held rows whose lease an extension found gone (taken over after it expired)."""
+    freed: threading.Event = field(default_factory=threading.Event)
+    """In an ordered group, set when rows this member held were let go (their outcome
+    written, or released): their keys may be free, so the fetcher claims again at
+    once instead of waiting for a publish or its poll (decision 0044)."""
 
     @property
     def name(self) -> str:
@@ -170,6 +186,28 @@ class Member:
         with self.lock:
             for lease in leases:
                 self.held.pop(lease, None)
+            if self.lost:
+                self.lost.difference_update(leases)
+        if self.store.ordered:
+            self.freed.set()
+
+    def leases_kept(self, began: float, lost: list[Lease]) -> None:
+        """An extension begun at `began` kept every lease it was given but `lost`."""
+        with self.lock:
+            self.leases_kept_at = began
+            self.lost.update(lease for lease in lost if lease in self.held)
+
+    def lease_lapsed(self, row: Claimed, now: float) -> bool:
+        """`row`'s lease may have expired, so another member may run it: its claim and
+        the last extension that kept it are both more than `LEASE_TRUST` of a lease
+        ago (a member paused or cut off past its lease), or an extension found it
+        gone. Such a row must not start: in an ordered group the next message of its
+        key may already run (decision 0044); elsewhere it would run twice."""
+        trusted = self.settings.lease * LEASE_TRUST
+        if now - row.claimed_at < trusted:
+            return False
+        with self.lock:
+            return row.lease in self.lost or now - self.leases_kept_at >= trusted
 
     def defer(self, row: Claimed) -> None:
         """A closed gate turned `row` away: release it with the next batch."""

@@ -82,8 +82,11 @@ class Worker(Role):
                     self.traced(tracing, [row], batch=False)
 
     def _admit(self, row: Claimed) -> bool:
-        """The gate lets `row` run; else it is deferred, unstarted, for release."""
-        if self.gate.admit(row):
+        """The gate lets `row` run and its lease has not lapsed; else it is deferred,
+        unstarted, for release (fenced: a lease taken over meanwhile is left alone)."""
+        if self.member.lease_lapsed(row, time.monotonic()):
+            logger.info("lease may have lapsed id=%d: handed back unstarted", row.id)
+        elif self.gate.admit(row):
             return True
         self.member.defer(row)
         self.gate.nudge()  # the fetcher releases it

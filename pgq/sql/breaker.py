@@ -35,7 +35,7 @@ from sqlalchemy import (
 from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
-from pgq.sql.claim import lease_picked
+from pgq.sql.claim import key_free, lease_picked
 from pgq.sql.locks import advisory_held
 from pgq.sql.members import member_key, member_live
 from pgq.sql.refunds import carries_charges, charged_within
@@ -373,7 +373,7 @@ def _probed_here() -> ColumnElement[bool]:
 
 
 @cache
-def claim_probe(kind: str, probed: bool, bodies: bool = True) -> Executable:
+def claim_probe(kind: str, probed: bool, bodies: bool = True, ordered: bool = False) -> Executable:
     """Lease one probe row of `kind` (see `PROBE_KINDS`) to `:member` for `:lease`.
 
     `probed` False takes the rows not yet probed in the outage at `:at_epoch`
@@ -381,7 +381,8 @@ def claim_probe(kind: str, probed: bool, bodies: bool = True) -> Executable:
     probed first. Tried in that order per kind, the probes rotate: one row whose
     handler fails for itself alone cannot be every probe. Dead rows qualify only
     while refunded fewer than `:max_refunds` times. `bodies`: see
-    `pgq.sql.claim.lease_picked`.
+    `pgq.sql.claim.lease_picked`. In an `ordered` group the probe keeps the order
+    as a claim does (`pgq.sql.claim.key_free`).
     """
     ready = d.c.state == t.READY
     now = func.now()
@@ -411,6 +412,7 @@ def claim_probe(kind: str, probed: bool, bodies: bool = True) -> Executable:
     pick = (
         select(d.c.message_id)
         .where(d.c.group_id == bindparam("gid"), where)
+        .where(*([key_free()] if ordered else []))
         .order_by(*order)
         .limit(literal_column("1"))
         .with_for_update(skip_locked=True)

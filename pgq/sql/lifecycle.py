@@ -40,13 +40,15 @@ refer to `consumer_group`) before the group itself."""
 @cache
 def topics_with_groups() -> Select[Any]:
     """Every topic (`name`, `id`, `created_at`) with the names of its groups in name
-    order (`groups`, empty without any), by name. Reads the catalogue tables only
-    (on Citus, reference tables: the message counts are `messages_by_topic`)."""
+    order (`groups`, empty without any) and whether each is ordered (`ordered`, in
+    the same order), by name. Reads the catalogue tables only (on Citus, reference
+    tables: the message counts are `messages_by_topic`)."""
     tp, g = t.topic, t.consumer_group
     # an outer join: a topic without groups aggregates one NULL name, removed here
     names = func.array_remove(func.array_agg(aggregate_order_by(g.c.name, g.c.name)), null())
+    ordered = func.array_agg(aggregate_order_by(g.c.ordered, g.c.name))
     return (
-        select(tp.c.name, tp.c.id, tp.c.created_at, names.label("groups"))
+        select(tp.c.name, tp.c.id, tp.c.created_at, names.label("groups"), ordered.label("ordered"))
         .select_from(tp.outerjoin(g, g.c.topic_id == tp.c.id))
         .group_by(tp.c.id)
         .order_by(tp.c.name)

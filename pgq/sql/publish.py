@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import cache
+from typing import Any
 
 from sqlalchemy import (
     Integer,
@@ -19,7 +20,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, aggregate_order_by
 from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.sql import Executable
+from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
 
@@ -55,7 +56,12 @@ def insert_group() -> Executable:
     nothing if it exists."""
     return (
         pg_insert(t.consumer_group)
-        .values(name=bindparam("name"), topic_id=bindparam("topic_id"), start=bindparam("start"))
+        .values(
+            name=bindparam("name"),
+            topic_id=bindparam("topic_id"),
+            start=bindparam("start"),
+            ordered=bindparam("ordered"),
+        )
         .on_conflict_do_nothing(index_elements=["name"])
         .returning(t.consumer_group.c.id)
     )
@@ -66,7 +72,7 @@ def group_by_name() -> Executable:
     """Group `:name` with its topic's name."""
     g, tp = t.consumer_group, t.topic
     return (
-        select(g.c.id, g.c.name, tp.c.name.label("topic"), tp.c.id.label("topic_id"))
+        select(g.c.id, g.c.name, tp.c.name.label("topic"), tp.c.id.label("topic_id"), g.c.ordered)
         .join(tp, tp.c.id == g.c.topic_id)
         .where(g.c.name == bindparam("name"))
     )
@@ -82,6 +88,12 @@ def insert_breaker() -> Executable:
 def insert_group_state() -> Executable:
     """The group's state row: frontier at the start, totals 0."""
     return insert(t.group_state).values(group_id=bindparam("gid"))
+
+
+def ordered_key(ordered: ColumnElement[bool], key: ColumnElement[Any]) -> ColumnElement[Any]:
+    """A delivery row's key: the message's in an ordered group, NULL in any other, so
+    that only ordered groups' rows are in the key indexes (decision 0044)."""
+    return case((ordered, key))
 
 
 @cache
@@ -113,12 +125,14 @@ def backfill_group() -> Executable:
         .group_by(d.c.message_id)
         .cte("due")
     )
+    ordered = select(g.c.ordered).where(g.c.id == bindparam("gid")).scalar_subquery()
     return insert(d).from_select(
-        ["group_id", "message_id", "available_at"],
+        ["group_id", "message_id", "available_at", "key"],
         select(
             bindparam("gid", type_=Integer),
             m.c.id,
             func.coalesce(due.c.at, func.now()),
+            ordered_key(ordered, m.c.key),
         )
         .select_from(m.outerjoin(due, due.c.message_id == m.c.id))
         .where(m.c.topic_id == topic_id),
@@ -225,11 +239,12 @@ def _publish(*, deduped: bool) -> Executable:
     else:
         new_messages = insert(m).from_select(columns, rows).returning(m.c.id).cte("new_messages")
     deliveries = insert(d).from_select(
-        ["group_id", "message_id", "available_at"],
+        ["group_id", "message_id", "available_at", "key"],
         select(
             g.c.id,
             new_messages.c.id,
             func.now() + bindparam("delay", type_=Interval),
+            ordered_key(g.c.ordered, bindparam("key", type_=Text)),
         )
         .select_from(new_messages.join(g, true()))
         .where(g.c.topic_id == select(topic_row.c.id).scalar_subquery()),

@@ -69,6 +69,13 @@ def add_dedupe_key(qualified: str) -> TextClause:
     return text(f"ALTER TABLE {qualified} ADD COLUMN dedupe_key text")
 
 
+def add_group_ordered(qualified: str) -> TextClause:
+    """Schema version 8: whether a group is ordered (`qualified`: the consumer_group
+    table, quoted and schema-qualified); false for the groups that exist. A constant
+    default is stored once, in the catalog: no row is rewritten."""
+    return text(f"ALTER TABLE {qualified} ADD COLUMN ordered boolean NOT NULL DEFAULT false")
+
+
 def index_as_declared() -> Executable:
     """Whether index `:index` (a qualified name) is the one declared: valid, unique,
     on the columns `:columns` in that order, with the predicate `:predicate` (as

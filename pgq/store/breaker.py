@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 from decimal import Decimal
 from functools import partial
 from typing import Any
@@ -112,12 +113,14 @@ class BreakerStore(Claims, Outcomes):
         if conn.execute(breaker_sql.probe_slot(), params).one_or_none() is None:
             return None
         params["token"] = self.tokens.next(conn)
+        started = time.monotonic()
         for kind in breaker_sql.PROBE_KINDS:
             for probed in (False, True):
-                rows = self._lease(conn, partial(breaker_sql.claim_probe, kind, probed), params)
+                statement = partial(breaker_sql.claim_probe, kind, probed, ordered=self.ordered)
+                rows = self._lease(conn, statement, params)
                 if rows:
                     self.renew_probe(conn, epoch, hold)
-                    return self._claimed(rows, epoch, probe=True)[0]
+                    return self._claimed(rows, epoch, True, started)[0]
         return None
 
     def renew_probe(self, conn: Connection, epoch: int, hold: float) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, cast
@@ -75,8 +76,10 @@ class Claims(GroupScope):
             "lease": self.lease,
             "token": self.tokens.next(conn),
         }
-        rows = self._lease(conn, partial(claim_sql.claim, limit), params)
-        return self._claimed(rows, epoch, probe)
+        statement = partial(claim_sql.claim, limit, ordered=self.ordered)
+        started = time.monotonic()
+        rows = self._lease(conn, statement, params)
+        return self._claimed(rows, epoch, probe, started)
 
     def _lease(
         self, conn: Connection, statement: Callable[[bool], Executable], params: dict[str, Any]
@@ -114,9 +117,12 @@ class Claims(GroupScope):
             run_hot(conn, claim_sql.postpone(), {**params, **lease_params(unseen)})
         return rows
 
-    def _claimed(self, rows: Iterable[Any], epoch: int, probe: bool = False) -> list[Claimed]:
-        """The claimed rows as `Claimed`, filed under the later of `epoch` (what the
-        caller's gate knows) and the epoch the claim saw in the database."""
+    def _claimed(
+        self, rows: Iterable[Any], epoch: int, probe: bool, claimed_at: float
+    ) -> list[Claimed]:
+        """The claimed rows as `Claimed` by a claim begun at `claimed_at`, filed under the
+        later of `epoch` (what the caller's gate knows) and the epoch the claim saw in
+        the database."""
         rows = list(rows)
         if rows:
             epoch = max(epoch, rows[0][_EPOCH] or 0)
@@ -138,13 +144,15 @@ class Claims(GroupScope):
                     r[_ATTEMPTS],
                     epoch,
                     probe,
+                    None,
+                    claimed_at,
                 )
                 for r in rows
             ]
         except (RecursionError, ValueError):  # written by another client: row by row
-            return [self._claimed_carefully(r, epoch, probe) for r in rows]
+            return [self._claimed_carefully(r, epoch, probe, claimed_at) for r in rows]
 
-    def _claimed_carefully(self, r: Any, epoch: int, probe: bool) -> Claimed:
+    def _claimed_carefully(self, r: Any, epoch: int, probe: bool, claimed_at: float) -> Claimed:
         """One claimed row whose payload or headers may not decode (nested deeper
         than Python's JSON decoder goes): such a row is claimed `unreadable`."""
         try:
@@ -158,7 +166,8 @@ class Claims(GroupScope):
         message = Message(
             r[_ID], self.topic, self.group, r[_KEY], payload, headers, r[_ATTEMPTS] + 1, r[_CREATED]
         )
-        return Claimed(message, Lease(r[_ID], r[_SEQ]), r[_ATTEMPTS], epoch, probe, unreadable)
+        lease = Lease(r[_ID], r[_SEQ])
+        return Claimed(message, lease, r[_ATTEMPTS], epoch, probe, unreadable, claimed_at)
 
     def extend(self, conn: Connection, leases: list[Lease]) -> set[Lease]:
         """Extend the given leases; returns those still held."""

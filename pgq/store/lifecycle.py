@@ -66,7 +66,10 @@ def topics(engine: Engine) -> Topics:
             TopicInfo(
                 name=r.name,
                 messages=int(counts.get(r.id, 0)),
-                groups=tuple(TopicGroup(name) for name in r.groups),
+                groups=tuple(
+                    TopicGroup(name, bool(ordered))
+                    for name, ordered in zip(r.groups, r.ordered, strict=False)
+                ),
                 created_at=r.created_at,
             )
             for r in rows

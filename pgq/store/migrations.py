@@ -139,6 +139,23 @@ def _v7_dedupe_key(conn: Connection) -> None:
     t.dedupe_index.create(conn)
 
 
+def _v8_ordered_groups(conn: Connection) -> None:
+    # Ordered groups (decision 0044): a flag on the group and, on the delivery rows of
+    # ordered groups only, the message's key, with two partial indexes of keyed rows.
+    # Every row that exists has no key, so each index is built by one scan of
+    # `delivery` (its live rows: finished rows are deleted) and holds nothing. A fresh
+    # install already has all of it from version 1 (the tables as declared).
+    schema = schema_of(conn)
+    groups = {"schema": schema, "table": t.consumer_group.name}
+    if "ordered" not in set(conn.execute(upgrade.columns_of(), groups).scalars()):
+        conn.execute(upgrade.add_group_ordered(_qualified(conn, t.consumer_group)))
+    rows = {"schema": schema, "table": t.delivery.name}
+    if "key" not in set(conn.execute(upgrade.columns_of(), rows).scalars()):
+        conn.execute(upgrade.add_text_columns(_qualified(conn, t.delivery), ["key"]))
+    for index in (t.key_order_index, t.key_leased_index):
+        index.create(conn, checkfirst=True)
+
+
 def _granted(conn: Connection, statements: list[str]) -> None:
     for statement in statements:
         logger.info("migration granted schema=%s statement=%s", schema_of(conn), statement)
@@ -163,6 +180,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection], None]], ...] = (
     (5, "audit rows name their role, group and topic", _v5_audit_names),
     (6, "a group records where it started", _v6_group_start),
     (7, "messages carry a dedupe key, unique per topic", _v7_dedupe_key),
+    (8, "ordered groups: the group's flag, its rows' keys", _v8_ordered_groups),
 )
 LATEST = MIGRATIONS[-1][0]
 

@@ -86,8 +86,11 @@ class GroupScope:
         max_reclaims: int,
         *,
         topic_id: int | None = None,
+        ordered: bool = False,
     ) -> None:
         self.gid = gid
+        self.ordered = ordered
+        """Claims take only rows whose key is free (an ordered group: DESIGN §7)."""
         self.group = group
         self.topic = topic
         self.topic_id = topic_id

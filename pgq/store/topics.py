@@ -53,14 +53,21 @@ def create_topic(target: Bind, name: str) -> None:
 
 
 def subscribe(
-    target: Bind, group: str, topic: str, start: Literal["earliest", "latest"] = "earliest"
+    target: Bind,
+    group: str,
+    topic: str,
+    start: Literal["earliest", "latest"] = "earliest",
+    *,
+    ordered: bool = False,
 ) -> None:
     """Create consumer group `group` on `topic` (idempotent).
 
     With `start="earliest"` the group gets a delivery row for every retained
     message of the topic; with `"latest"` only messages published after this
     call commits. Waits for publishing transactions that are still open, so no
-    message is left without the new group's row.
+    message is left without the new group's row. An `ordered` group handles the
+    messages of each non-null key one at a time, in frontier order (DESIGN §7);
+    whether a group is ordered is fixed when it is created.
     """
     check_name("group", group)
     check_name("topic", topic)
@@ -79,13 +86,19 @@ def subscribe(
             topic_id = conn.execute(q.lock_topic_for_subscribe(), {"name": topic}).scalar()
         if topic_id is None:
             raise UnknownTopic(f"unknown topic {topic!r}")
-        params = {"name": group, "topic_id": topic_id, "start": start}
+        params = {"name": group, "topic_id": topic_id, "start": start, "ordered": ordered}
         group_id = conn.execute(q.insert_group(), params).scalar()
         if group_id is None:
             existing = conn.execute(q.group_by_name(), {"name": group}).one()
             if existing.topic != topic:
                 raise UsageError(
                     f"group {group!r} already exists on topic {existing.topic!r}, not {topic!r}"
+                )
+            if existing.ordered != ordered:
+                kind = "ordered" if existing.ordered else "not ordered"
+                raise UsageError(
+                    f"group {group!r} already exists and is {kind}: whether a group is"
+                    " ordered is fixed when it is created"
                 )
             return
         conn.execute(q.insert_group_state(), {"gid": group_id})

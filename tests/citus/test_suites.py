@@ -67,6 +67,7 @@ SUITES: dict[str, tuple[float, list[str]]] = {
             f"{INT}/test_races.py::test_publishers_racing_subscribes_leave_no_group_without_a_message",
         ],
     ),
+    "ordered_groups": (90, [f"{INT}/test_ordered.py"]),
     "idempotent_publish": (
         60,
         [
