@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import click
 
@@ -110,7 +110,7 @@ def topic_create(state: State, name: str) -> None:
 @pass_state
 def subscribe(state: State, group: str, topic: str, start: str, ordered: bool) -> None:
     """Create consumer group GROUP on TOPIC (idempotent)."""
-    begin = "latest" if start == "latest" else "earliest"
+    begin: Literal["earliest", "latest"] = "latest" if start == "latest" else "earliest"
     subscribe_group(state.engine, group, topic, start=begin, ordered=ordered)
     click.echo(f"{'ordered group' if ordered else 'group'} {group} on topic {topic}")
 

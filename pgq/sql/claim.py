@@ -198,7 +198,11 @@ def ready_pick(limit: int, ordered: bool = False) -> Any:
         for column in (br.c.reconcile_from_epoch, br.c.reconcile_epoch)
     )
     owed = charged_within(owed_from, owed_to)
-    due = (d.c.group_id == bindparam("gid"), d.c.state == t.READY, d.c.available_at <= func.now())
+    due: tuple[ColumnElement[bool], ...] = (
+        d.c.group_id == bindparam("gid"),
+        d.c.state == t.READY,
+        d.c.available_at <= func.now(),
+    )
     if ordered:
         # the window's end, one scan of the ready index (an InitPlan): so the claim's
         # own scan stops there, and where it finds its rows early, earlier
