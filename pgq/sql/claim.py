@@ -123,36 +123,32 @@ def key_free() -> ColumnElement[bool]:
     """
     before, leased = t.delivery.alias("before"), t.delivery.alias("leased_key")
     charged = before.c.refundable_attempts + before.c.refundable_reclaims > literal_column("0")
-    earlier = (
-        select(literal(1))
-        .where(
-            before.c.group_id == bindparam("gid"),
-            before.c.key == d.c.key,
-            before.c.key.is_not(None),
-            or_(
-                before.c.state.in_([t.READY, t.LEASED]),
-                and_(before.c.state == t.DEAD, charged, refund_pending(before.c.error_epoch)),
-            ),
-            tuple_(before.c.xid, before.c.message_id) < tuple_(d.c.xid, d.c.message_id),
-        )
-        .exists()
+    earlier = _of_its_key(
+        before,
+        or_(
+            before.c.state.in_([t.READY, t.LEASED]),
+            and_(before.c.state == t.DEAD, charged, refund_pending(before.c.error_epoch)),
+        ),
+        tuple_(before.c.xid, before.c.message_id) < tuple_(d.c.xid, d.c.message_id),
     )
-    running = (
-        select(literal(1))
-        .where(
-            leased.c.group_id == bindparam("gid"),
-            leased.c.key == d.c.key,
-            leased.c.key.is_not(None),
-            leased.c.state == t.LEASED,
-        )
-        .exists()
-    )
+    running = _of_its_key(leased, leased.c.state == t.LEASED)
     # one lookup per statement (an InitPlan), not one snapshot copy per row
     xmin = select(func.pg_snapshot_xmin(func.pg_current_snapshot())).scalar_subquery()
     behind_xmin = d.c.xid < xmin
     # `running` first: a row behind a running one of its key (most rows a claim
     # passes over) is turned away by one probe of a hash built once per statement
     return or_(d.c.key.is_(None), and_(behind_xmin, ~running, ~earlier))
+
+
+def _of_its_key(row: Any, *where: ColumnElement[bool]) -> ColumnElement[bool]:
+    """A row `row` (an alias of `delivery`) of `:gid` with the claimed row's key exists,
+    as `where` says (`key IS NOT NULL` spelled out: the key indexes' predicate)."""
+    return (
+        select(literal(1))
+        .where(row.c.group_id == bindparam("gid"), row.c.key == d.c.key, row.c.key.is_not(None))
+        .where(*where)
+        .exists()
+    )
 
 
 def refund_pending(error_epoch: ColumnElement[Any]) -> ColumnElement[bool]:
