@@ -5,13 +5,16 @@ rows, the transactional consumer, an outage with refunds) checked end to end."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from helpers import set_rows, wait_until
 from sqlalchemy import BigInteger, Engine, Text, cast, func, literal_column, select, text, update
-from test_ordered import publish, store_of
+from test_ordered import claim, publish, store_of
 
 import pgq
 from pgq import schema as t
+from pgq.store import requeue as requeue_rows
 
 d, br = t.delivery, t.breaker
 
@@ -75,3 +78,45 @@ def leased_of(engine: Engine, gid: int) -> list[int]:
         return sorted(
             conn.scalars(select(d.c.message_id).where(d.c.group_id == gid, d.c.state == "leased"))
         )
+
+
+def waits_for_lock(engine: Engine) -> bool:
+    """A requeue's lock of its keys' later rows (`lock_key_successors`) waits."""
+    with engine.connect() as conn:
+        return bool(
+            conn.scalar(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE '%dead_of_key%'"
+                )
+            )
+        )
+
+
+def test_a_requeue_racing_a_claim_does_not_start_two_messages_of_a_key(ordered: Engine):
+    """A requeue that makes an earlier dead message ready while a claim of the later one
+    has not committed yet: a claim that sees the requeue but not that lease (ready
+    to it) took the earlier message too, and both ran at once. The requeue now waits
+    for the claims in flight on its keys' rows."""
+    a1, a2 = publish(ordered, "a", "a")
+    set_rows(ordered, [a1], state="dead", error_class="permanent")
+    settled(ordered, [a2])
+    first, second = store_of(ordered, member="m1"), store_of(ordered, member="m2")
+    done = threading.Event()
+    with ordered.connect() as slow:
+        slow.begin()
+        assert [c.id for c in first.claim(slow, 10, 0)] == [a2]  # not committed yet
+
+        def requeue() -> None:
+            requeue_rows(ordered, "g", [a1], reason="race")
+            done.set()
+
+        thread = threading.Thread(target=requeue, daemon=True)
+        thread.start()
+        # the requeue either finishes at once (the race) or waits for the claim
+        wait_until(lambda: done.is_set() or waits_for_lock(ordered), 30.0, "the requeue")
+        taken = claim(ordered, second)
+        slow.commit()
+    thread.join(30)
+    assert done.is_set()
+    assert taken == [] and leased_of(ordered, second.gid) == [a2]
