@@ -15,12 +15,9 @@ Needs `PGQ_CITUS_DSN` (see test_placement.py); skipped without it.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 import re
-import threading
-import time
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator
@@ -29,9 +26,9 @@ from urllib.parse import quote
 
 import psycopg
 import pytest
-from helpers import CITUS_DSN, citus_marks
+from helpers import CITUS_DSN, KeyRuns, citus_marks
 from psycopg import sql
-from sqlalchemy import Connection, Engine, text, update
+from sqlalchemy import Engine, text, update
 
 import pgq
 from pgq import schema as t
@@ -72,30 +69,6 @@ def cluster() -> Iterator[tuple[Engine, str, dict[str, list[int]]]]:
             conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema)))
 
 
-class Handled:
-    """Per key, (message id, start, end) of each handling, in the order they ended."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.by_key: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
-        self.batches: list[list[str | None]] = []
-
-    def one(self, msg: pgq.Message, start: float) -> None:
-        time.sleep(0.001)
-        with self.lock:
-            assert msg.key is not None
-            self.by_key[msg.key].append((msg.id, start, time.monotonic()))
-
-    def check(self, published: dict[str, list[int]]) -> None:
-        for key, ids in published.items():
-            seen = self.by_key[key]
-            assert [i for i, _, _ in seen] == ids, key
-            for (_, _, end), (_, start, _) in itertools.pairwise(seen):
-                assert start >= end, (key, seen)
-        for keys in self.batches:
-            assert len(keys) == len(set(keys)), f"a batch with two messages of a key: {keys}"
-
-
 def drain(
     engine: Engine, schema: str, caplog: pytest.LogCaptureFixture, **kwargs: Any
 ) -> pgq.RunSummary:
@@ -131,29 +104,19 @@ def drain(
 
 def test_an_ordered_group_drains_with_every_statement_single_task(caplog):
     with cluster() as (engine, schema, published):
-        handled = Handled()
+        handled = KeyRuns()
 
-        def handle(msg: pgq.Message) -> None:
-            handled.one(msg, time.monotonic())
-
-        summary = drain(engine, schema, caplog, handler=handle)
+        summary = drain(engine, schema, caplog, handler=handled.one)
         assert summary.done == N and summary.dead == 0, summary
         handled.check(published)
 
 
 def test_a_transactional_batch_handler_keeps_the_order_on_citus(caplog):
     with cluster() as (engine, schema, published):
-        handled = Handled()
-
-        def handle(msgs: list[pgq.Message], conn: Connection) -> None:
-            start = time.monotonic()
-            with handled.lock:
-                handled.batches.append([m.key for m in msgs])
-            for m in msgs:
-                handled.one(m, start)
+        handled = KeyRuns()
 
         summary = drain(
-            engine, schema, caplog, transactional=True, batch_handler=handle, batch_size=16
+            engine, schema, caplog, transactional=True, batch_handler=handled.batch, batch_size=16
         )
         assert summary.done == N and summary.dead == 0, summary
         handled.check(published)

@@ -5,16 +5,14 @@ rows, the transactional consumer, an outage with refunds) checked end to end."""
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections import defaultdict
 
 import pytest
-from helpers import FAST, LONE_OUTAGE, set_rows, wait_until
+from helpers import FAST, LONE_OUTAGE, KeyRuns, set_rows, wait_until
 from sqlalchemy import (
     BigInteger,
-    Connection,
     Engine,
     Text,
     cast,
@@ -31,19 +29,6 @@ from pgq import schema as t
 from pgq.store import requeue as requeue_rows
 
 d, br = t.delivery, t.breaker
-
-
-@pytest.fixture
-def orders_groups() -> tuple[str, ...]:
-    return ()
-
-
-@pytest.fixture
-def ordered(orders: Engine) -> Engine:
-    """Topic `orders` with ordered group `g` and unordered group `u`."""
-    pgq.subscribe(orders, "g", "orders", ordered=True)
-    pgq.subscribe(orders, "u", "orders")
-    return orders
 
 
 def settled(engine: Engine, ids: list[int]) -> None:
@@ -141,32 +126,6 @@ def test_a_requeue_racing_a_claim_does_not_start_two_messages_of_a_key(ordered: 
 # --- paths around the rule, end to end -------------------------------------------
 
 
-class Runs:
-    """Per key, (message id, start, end) of each successful handling, in the order they
-    ended; and each batch's keys (the transactional consumer's batch handler)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.by_key: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
-        self.batches: list[list[str | None]] = []
-
-    def ran(self, msg: pgq.Message, start: float) -> None:
-        with self.lock:
-            assert msg.key is not None
-            self.by_key[msg.key].append((msg.id, start, time.monotonic()))
-
-    def check(self, published: dict[str, list[int]]) -> None:
-        """Each key's messages ran once each, in publish order, one at a time; no batch
-        held two messages of a key."""
-        for key, ids in published.items():
-            seen = self.by_key[key]
-            assert [i for i, _, _ in seen] == ids, (key, seen)
-            for (_, _, end), (_, start, _) in itertools.pairwise(seen):
-                assert start >= end, (key, seen)
-        for keys in self.batches:
-            assert len(keys) == len(set(keys)), f"a batch with two messages of a key: {keys}"
-
-
 def publish_interleaved(engine: Engine, n: int, keys: int) -> dict[str, list[int]]:
     """`n` messages over `keys` keys, interleaved, in transactions of 20; ids per key."""
     published: dict[str, list[int]] = defaultdict(list)
@@ -182,17 +141,10 @@ def test_a_transactional_batch_handler_gets_one_message_per_key(ordered: Engine)
     """The transactional consumer's batches come from one claim: never two messages of a
     key in one batch, and each key's messages in order across batches."""
     published = publish_interleaved(ordered, 120, 6)
-    runs = Runs()
-
-    def handle(msgs: list[pgq.Message], conn: Connection) -> None:
-        start = time.monotonic()
-        with runs.lock:
-            runs.batches.append([m.key for m in msgs])
-        for m in msgs:
-            runs.ran(m, start)
+    runs = KeyRuns()
 
     consumer = pgq.Consumer(
-        ordered, "g", transactional=True, batch_handler=handle, batch_size=16, **FAST
+        ordered, "g", transactional=True, batch_handler=runs.batch, batch_size=16, **FAST
     )
     summary = consumer.run(until_empty=True, max_runtime=60)
     assert summary.done == 120, summary
@@ -212,7 +164,7 @@ def test_an_outage_with_refunds_keeps_each_keys_order(ordered: Engine):
     poison = published["k0"].pop(0)
     down = threading.Event()
     down.set()
-    runs = Runs()
+    runs = KeyRuns()
 
     def handle(msg: pgq.Message) -> None:
         start = time.monotonic()
