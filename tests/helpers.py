@@ -10,6 +10,7 @@ with a message when it passes.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -17,7 +18,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -559,3 +560,42 @@ def transactional_consumer(
             handler(message, conn)
 
     return pgq.Consumer(engine, group, batch_handler=handle_batch, transactional=True, **settings)
+
+
+class KeyRuns:
+    """What handlers of an ordered group did: per key, (message id, start, end) of each
+    successful handling, in the order they ended; and each batch's keys (a
+    transactional batch handler's). `check` holds them to the rule (decision 0044)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_key: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
+        self.batches: list[list[str | None]] = []
+
+    def ran(self, msg: pgq.Message, start: float) -> None:
+        with self.lock:
+            assert msg.key is not None
+            self.by_key[msg.key].append((msg.id, start, time.monotonic()))
+
+    def one(self, msg: pgq.Message) -> None:
+        """A handler (`handler=`): the message ran."""
+        self.ran(msg, time.monotonic())
+
+    def batch(self, msgs: list[pgq.Message], conn: Any) -> None:
+        """A transactional batch handler (`batch_handler=`): the messages ran."""
+        start = time.monotonic()
+        with self.lock:
+            self.batches.append([m.key for m in msgs])
+        for m in msgs:
+            self.ran(m, start)
+
+    def check(self, published: dict[str, list[int]]) -> None:
+        """Each key's messages ran once each, in publish order, one at a time; no batch
+        held two messages of a key."""
+        for key, ids in published.items():
+            seen = self.by_key[key]
+            assert [i for i, _, _ in seen] == ids, (key, seen)
+            for (_, _, end), (_, start, _) in itertools.pairwise(seen):
+                assert start >= end, (key, seen)
+        for keys in self.batches:
+            assert len(keys) == len(set(keys)), f"a batch with two messages of a key: {keys}"

@@ -149,6 +149,39 @@ def lock_dead_ids() -> Select[Any]:
     return select(d.c.message_id).where(*_dead_rows(only_ids=True)).with_for_update()
 
 
+@cache
+def lock_key_successors() -> Select[Any]:
+    """Lock the ready keyed rows of `:gid` whose key has a dead row, waiting for any
+    claim in flight on them (an ordered group's requeue, decision 0044).
+
+    A requeue makes an earlier dead row of a key ready again. A claim that has leased
+    a later row of that key but not committed yet shows that row as ready to
+    everyone else, so a claim that saw the requeue committed took the earlier row
+    beside it: two messages of one key at once. Taking these locks first, the
+    requeue commits only after such a claim has, and every claim that sees the
+    requeued row sees the later one leased."""
+    later, dead = d.alias("later"), d.alias("dead_of_key")
+    has_dead = (
+        select(literal(1))
+        .where(
+            dead.c.group_id == bindparam("gid", type_=Integer),
+            dead.c.key == later.c.key,
+            dead.c.state == t.DEAD,
+        )
+        .exists()
+    )
+    return (
+        select(later.c.message_id)
+        .where(
+            later.c.group_id == bindparam("gid", type_=Integer),
+            later.c.key.is_not(None),
+            later.c.state == t.READY,
+            has_dead,
+        )
+        .with_for_update(of=later)
+    )
+
+
 def _dead_rows(
     only_ids: bool = False, of_class: bool = False, matching: frozenset[str] = frozenset()
 ) -> list[ColumnElement[bool]]:

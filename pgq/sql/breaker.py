@@ -412,7 +412,7 @@ def claim_probe(kind: str, probed: bool, bodies: bool = True, ordered: bool = Fa
     pick = (
         select(d.c.message_id)
         .where(d.c.group_id == bindparam("gid"), where)
-        .where(*([key_free()] if ordered else []))
+        .where(*([key_free(max_refunds=True)] if ordered else []))
         .order_by(*order)
         .limit(literal_column("1"))
         .with_for_update(skip_locked=True)

@@ -106,7 +106,7 @@ def claim(limit: int, bodies: bool = True, ordered: bool = False) -> Executable:
     return lease_picked(ready_pick(limit, ordered), bodies)
 
 
-def key_free() -> ColumnElement[bool]:
+def key_free(max_refunds: bool = False) -> ColumnElement[bool]:
     """The row may be leased in an ordered group (DESIGN §7, decision 0044): it has no
     key, or no row of its key is leased and none before it in frontier order is
     unresolved: ready (due or waiting for a retry) or leased, or dead of an outage
@@ -120,6 +120,15 @@ def key_free() -> ColumnElement[bool]:
     rows carry no key. "No leased row at all", not only none before it: a refund
     or a requeue that makes an earlier dead row ready again while a later one runs
     must not start the earlier one beside it.
+
+    `max_refunds`: the statement binds `:max_refunds` (the probe's claim), and a dead
+    row refunded that many times already, which no close refunds again, does not
+    hold its key. Without it such a row held its key while the breaker was OPEN and
+    nothing else could probe: the later message of its key was turned away, the
+    dead row was past the refund cap, yet the later message counted as a candidate
+    for `close_idle`, so the outage never closed. The worker's claim binds no cap
+    (it claims nothing while OPEN; a close owes the cap-spent row nothing, so its
+    reconciliation ends and frees the key).
     """
     before, leased = t.delivery.alias("before"), t.delivery.alias("leased_key")
     charged = before.c.refundable_attempts + before.c.refundable_reclaims > literal_column("0")
@@ -127,7 +136,12 @@ def key_free() -> ColumnElement[bool]:
         before,
         or_(
             before.c.state.in_([t.READY, t.LEASED]),
-            and_(before.c.state == t.DEAD, charged, refund_pending(before.c.error_epoch)),
+            and_(
+                before.c.state == t.DEAD,
+                charged,
+                *refundable_again(before, max_refunds),
+                refund_pending(before.c.error_epoch),
+            ),
         ),
         tuple_(before.c.xid, before.c.message_id) < tuple_(d.c.xid, d.c.message_id),
     )
@@ -149,6 +163,14 @@ def _of_its_key(row: Any, *where: ColumnElement[bool]) -> ColumnElement[bool]:
         .where(*where)
         .exists()
     )
+
+
+def refundable_again(row: Any, max_refunds: bool) -> tuple[ColumnElement[bool], ...]:
+    """With `max_refunds`, the test that `row` (an alias of delivery) was refunded
+    fewer than `:max_refunds` times; without it, none."""
+    if not max_refunds:
+        return ()
+    return (row.c.refunds < bindparam("max_refunds", type_=Integer),)
 
 
 def refund_pending(error_epoch: ColumnElement[Any]) -> ColumnElement[bool]:

@@ -139,6 +139,8 @@ def requeue(
     with wrap_errors(), engine.begin() as conn:
         info = group_info(conn, group)
         params.update(audit_names(info))
+        if info.ordered:
+            conn.execute(q.lock_key_successors(), {"gid": info.id})
         if error_class is not None:
             params["cls"] = error_class
             statement = q.requeue_class()

@@ -34,14 +34,6 @@ def orders_groups() -> tuple[str, ...]:
     return ()
 
 
-@pytest.fixture
-def ordered(orders: Engine) -> Engine:
-    """Topic `orders` with ordered group `g` and unordered group `u`."""
-    pgq.subscribe(orders, "g", "orders", ordered=True)
-    pgq.subscribe(orders, "u", "orders")
-    return orders
-
-
 def store_of(
     engine: Engine, group: str = "g", member: str = "m", lease: float = 30.0
 ) -> GroupStore:
