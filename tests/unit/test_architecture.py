@@ -111,3 +111,14 @@ def test_only_pgq_otel_imports_opentelemetry(name):
         return
     bad = {m for m in imports(name) if m.split(".")[0] == "opentelemetry"}
     assert not bad, f"{name} imports {sorted(bad)}: go through pgq.otel"
+
+
+def test_test_modules_outside_packages_have_unique_names():
+    """pytest imports a test file outside a package by its bare name: two files of one
+    name (tests/citus/test_ordered.py beside tests/integration/test_ordered.py) stop
+    the whole run at collection ("import file mismatch")."""
+    tests = ROOT / "tests"
+    loose = [p for p in tests.rglob("test_*.py") if not (p.parent / "__init__.py").exists()]
+    names = [p.name for p in loose]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    assert twice == [], [str(p.relative_to(ROOT)) for p in loose if p.name in twice]
