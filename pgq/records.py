@@ -83,6 +83,20 @@ class OutcomeKind(_Word):
     SNOOZE = "snooze"
 
 
+class AttemptEvent(_Word):
+    """A line of a message's history in a group (`attempt.kind`): an attempt that
+    failed and will run again, one that failed for the last time, a snooze, a lease
+    that expired without an outcome (the holder vanished), and a refund at the close
+    of an outage. A success writes no line (the ack must cost nothing more): the
+    message's state says it finished. The order is the one of the CHECK constraint."""
+
+    FAILED = "failed"
+    DIED = "died"
+    SNOOZED = "snoozed"
+    RECLAIMED = "reclaimed"
+    REFUNDED = "refunded"
+
+
 @dataclass(frozen=True, slots=True, init=False)
 class Message:
     """One message as a handler receives it. `attempt` is 1-based."""
@@ -198,6 +212,9 @@ class Outcome(NamedTuple):
     delay: float = 0.0
     error_class: str | None = None
     error: str | None = None
+    seconds: float | None = None
+    """How long a failed attempt's handler ran (its history line says it); None
+    where not measured, and on a success (nothing records it)."""
 
 
 @dataclass(frozen=True, slots=True)

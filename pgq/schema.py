@@ -17,6 +17,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
+    Float,
     ForeignKey,
     Identity,
     Index,
@@ -24,6 +25,7 @@ from sqlalchemy import (
     MetaData,
     PrimaryKeyConstraint,
     Sequence,
+    SmallInteger,
     Table,
     Text,
     and_,
@@ -35,7 +37,14 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB, TIMESTAMP
 from sqlalchemy.types import UserDefinedType
 
-from pgq.records import BreakerState, ErrorClass, LocalBreakerState, RowState, Start
+from pgq.records import (
+    AttemptEvent,
+    BreakerState,
+    ErrorClass,
+    LocalBreakerState,
+    RowState,
+    Start,
+)
 
 SCHEMA_PLACEHOLDER = "pgq"
 """The schema name the tables are declared in; translated at run time."""
@@ -191,6 +200,9 @@ delivery = Table(
     # the message's key, in an ordered group only (NULL elsewhere, so no other
     # group's row is in the key indexes; schema version 8)
     Column("key", Text),
+    # lines written to the row's history (`attempt`) so far: the next one is line
+    # `events + 1`, in slot `(events + 1) % HISTORY_SLOTS` (schema version 9)
+    Column("events", Integer, nullable=False, server_default=text("0")),
     PrimaryKeyConstraint("group_id", "message_id"),
     CheckConstraint(_one_of("state", *RowState), name="delivery_state_check"),
     CheckConstraint(
@@ -342,6 +354,45 @@ probe = Table(
 )
 # the newest probes of a group, and retention's oldest ones
 Index("probe_at_idx", probe.c.group_id, probe.c.at)
+
+HISTORY_SLOTS = 32
+"""Lines of history kept per message and group: the newest, in a ring of slots
+(line n in slot n % HISTORY_SLOTS), so a message that fails for ever keeps a bounded
+history and writing a line never deletes one."""
+
+attempt = Table(
+    "attempt",
+    metadata,
+    Column("group_id", Integer, nullable=False),
+    Column("message_id", BigInteger, nullable=False),
+    Column("slot", SmallInteger, nullable=False),
+    # the line's number in the message's history in this group (1, 2, ...)
+    Column("n", Integer, nullable=False),
+    _now_column("at"),
+    Column("event", Text, nullable=False),
+    # the member that ran the attempt (or held the lease that expired)
+    Column("member", Text),
+    # how long the handler ran (a failure), when the member measured it
+    Column("seconds", Float),
+    Column("error_class", Text),
+    Column("error", Text),
+    # the group breaker's epoch: the attempt ran under it, the reclaim or the refund
+    # was charged or made under it
+    Column("epoch", Integer),
+    # the row's counters after the line: attempts, reclaims, refunds
+    Column("attempts", Integer, nullable=False),
+    Column("reclaims", Integer, nullable=False),
+    Column("refunds", Integer, nullable=False),
+    PrimaryKeyConstraint("group_id", "message_id", "slot"),
+    CheckConstraint(_one_of("event", *AttemptEvent), name="attempt_event_check"),
+)
+"""Every message's recent history in a group: its failed attempts, snoozes,
+expired leases and refunds, written by the statements that make them (schema
+version 9; decision 0046). A success writes nothing here. Lines outlive their
+delivery row (the ack deletes it, a purge too): retention deletes them by age, as
+it does the messages, and `unsubscribe` with the group."""
+# retention's oldest lines of a group
+Index("attempt_at_idx", attempt.c.group_id, attempt.c.at)
 
 audit = Table(
     "audit",

@@ -12,6 +12,7 @@ import importlib
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -87,10 +88,11 @@ class Handling:
             return Outcome(
                 row, OutcomeKind.DEAD, error_class=ErrorClass.PERMANENT, error=row.unreadable
             )
+        started = time.monotonic()
         try:
             self.handler(row.message)
         except BaseException as exc:  # a handler's SystemExit must not kill the thread
-            outcome = self.failure(row, exc)
+            outcome = self.failure(row, exc)._replace(seconds=time.monotonic() - started)
             logger.debug("handler failed id=%d outcome=%s", row.id, outcome.kind)
             return outcome
         return Outcome(row, DONE)

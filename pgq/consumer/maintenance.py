@@ -198,11 +198,12 @@ class Maintenance(Role):
         self._retention_cut = not self.retention_pass(self.conn, self.finish, EXPIRE_BUDGET)
 
     def retention_pass(self, conn: RoleConnection, stop: threading.Event, budget: float) -> bool:
-        """Delete the group's logged probes past retention (one batch), then messages
-        past retention, batch after batch, for up to `budget` seconds; False when
-        `stop` cut it short."""
+        """Delete the group's logged probes and history lines past retention (one batch
+        each), then messages past retention, batch after batch, for up to `budget`
+        seconds; False when `stop` cut it short."""
         m = self.member
         conn.run(m.store.expire_probes, m.settings.retention)
+        conn.run(m.store.expire_history, m.settings.retention)
         deadline = self.clock() + budget
         while self.clock() < deadline:
             if stop.is_set():

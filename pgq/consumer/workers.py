@@ -205,7 +205,8 @@ class Worker(Role):
         self.retired.set()
         exc = TimeoutError(f"handler ran longer than handler_timeout ({timeout:g}s)")
         logger.warning("handler timed out ids=%s thread=%s", [r.id for r in rows], self.name)
-        return [self.member.handling.failure(row, exc) for row in rows], now - started
+        took = now - started
+        return [self.member.handling.failure(row, exc)._replace(seconds=took) for row in rows], took
 
 
 def report(member: Member, gate: Gate, acker: Acker, outcome: Outcome) -> None:

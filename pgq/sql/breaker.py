@@ -35,6 +35,8 @@ from sqlalchemy import (
 from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
+from pgq.records import AttemptEvent
+from pgq.sql import history
 from pgq.sql.claim import key_free, lease_picked
 from pgq.sql.locks import advisory_held
 from pgq.sql.members import member_key, member_live
@@ -431,7 +433,8 @@ def reconcile_batch() -> Executable:
     or ready (a retry due or not, a snooze), and it has been refunded fewer than
     `:max_refunds` times. Its refundable attempts and reclaims are subtracted and
     cleared, so no close refunds it twice. A dead row or a systemic retry becomes
-    ready now; a row the user scheduled (a snooze) keeps its time.
+    ready now; a row the user scheduled (a snooze) keeps its time. Each writes a
+    line of the message's history: refunded by `:member` at the close `:close_epoch`.
     Returns how many rows were refunded (and adds them to the totals).
     """
     batch = (
@@ -456,10 +459,26 @@ def reconcile_batch() -> Executable:
             refundable_reclaims=0,
             refunds=d.c.refunds + 1,
             error_class=None,
+            events=d.c.events + 1,
             updated_at=func.now(),
         )
-        .returning(d.c.message_id)
+        .returning(d.c.message_id, d.c.events, d.c.attempts, d.c.reclaims, d.c.refunds)
         .cte("refunded")
+    )
+    r = refunded.c
+    written = history.written_by(
+        refunded,
+        {
+            "event": literal(AttemptEvent.REFUNDED.value),
+            "member": bindparam("member", type_=Text),
+            "seconds": null(),
+            "error_class": null(),
+            "error": null(),
+            "epoch": bindparam("close_epoch", type_=Integer),
+            "attempts": r.attempts,
+            "reclaims": r.reclaims,
+            "refunds": r.refunds,
+        },
     )
     n = select(func.count()).select_from(refunded).scalar_subquery()
     counted = (
@@ -477,7 +496,7 @@ def reconcile_batch() -> Executable:
         )
         .values(refunded=hist.c.refunded + cast(n, BigInteger))
         .returning(n)
-        .add_cte(counted)
+        .add_cte(counted, written)
     )
 
 

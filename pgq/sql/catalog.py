@@ -4,7 +4,8 @@ every server, so these are never created nor translated to pgq's schema)."""
 
 from __future__ import annotations
 
-from sqlalchemy import Boolean, column, table
+from sqlalchemy import Boolean, Integer, column, table
+from sqlalchemy.dialects.postgresql import ARRAY
 
 namespaces = table("pg_namespace", column("oid"), column("nspname"), schema="pg_catalog")
 
@@ -39,5 +40,10 @@ roles = table(
 )
 
 policies = table(
-    "pg_policy", column("oid"), column("polname"), column("polrelid"), schema="pg_catalog"
+    "pg_policy",
+    column("oid"),
+    column("polname"),
+    column("polrelid"),
+    column("polroles", ARRAY(Integer)),
+    schema="pg_catalog",
 )

@@ -18,6 +18,7 @@ from sqlalchemy import (
     func,
     literal,
     literal_column,
+    null,
     or_,
     select,
     true,
@@ -28,7 +29,8 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
-from pgq.records import ErrorClass
+from pgq.records import AttemptEvent, ErrorClass
+from pgq.sql import history
 from pgq.sql.refunds import charged_within
 
 d, m = t.delivery, t.message
@@ -421,7 +423,9 @@ def sweep_expired() -> Executable:
     systemic: it is then charged under the current epoch (`error_epoch`), so
     the close of that outage refunds it, dead or not. A row that dies of a
     reclaim that was not refundable died for itself: its charges are dropped,
-    so no close brings it back. Returns the reclaimed rows' ids and new state.
+    so no close brings it back. Each writes a line of the message's history: the
+    member whose lease expired, and the group's epoch. Returns the reclaimed rows'
+    ids and new state.
 
     Every subquery filters its table by `:gid`, never by a correlation on the
     row's group: Citus routes a statement to one shard only when each
@@ -429,7 +433,7 @@ def sweep_expired() -> Executable:
     """
     br, mb = t.breaker, t.member
     expired = (
-        select(d.c.message_id)
+        select(d.c.message_id, d.c.lease_owner)
         .where(
             d.c.group_id == bindparam("gid"),
             d.c.state == t.LEASED,
@@ -459,7 +463,7 @@ def sweep_expired() -> Executable:
     dies = d.c.reclaims + 1 > bindparam("max_reclaims", type_=Integer)
     forfeits = and_(dies, ~refundable)
     epoch = select(br.c.epoch).where(br.c.group_id == bindparam("gid")).scalar_subquery()
-    return (
+    reclaimed = (
         update(d)
         .where(d.c.group_id == bindparam("gid"), d.c.message_id == expired.c.message_id)
         .values(
@@ -476,12 +480,41 @@ def sweep_expired() -> Executable:
                 (dies, "lease expired without an outcome too often"), else_=d.c.last_error
             ),
             error_epoch=case((or_(dies, refundable), epoch), else_=d.c.error_epoch),
+            events=d.c.events + 1,
             lease_owner=None,
             lease_expires_at=None,
             updated_at=func.now(),
         )
-        .returning(d.c.message_id, d.c.state)
+        .returning(
+            d.c.message_id,
+            d.c.state,
+            d.c.events,
+            d.c.attempts,
+            d.c.reclaims,
+            d.c.refunds,
+            d.c.error_class,
+            d.c.last_error,
+            expired.c.lease_owner,
+        )
+        .cte("reclaimed")
     )
+    r = reclaimed.c
+    dead = r.state == t.DEAD
+    written = history.written_by(
+        reclaimed,
+        {
+            "event": case((dead, AttemptEvent.DIED.value), else_=AttemptEvent.RECLAIMED.value),
+            "member": r.lease_owner,
+            "seconds": null(),
+            "error_class": case((dead, r.error_class)),
+            "error": case((dead, r.last_error)),
+            "epoch": epoch,
+            "attempts": r.attempts,
+            "reclaims": r.reclaims,
+            "refunds": r.refunds,
+        },
+    )
+    return select(r.message_id, r.state).add_cte(written)
 
 
 @cache

@@ -29,6 +29,7 @@ DELETE_TOPIC_ACTION = "delete-topic"
 GROUP_TABLES: tuple[Table, ...] = (
     t.member,
     t.probe,
+    t.attempt,
     t.breaker_history,
     t.breaker,
     t.group_state,

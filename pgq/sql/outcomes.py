@@ -33,6 +33,8 @@ from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import ColumnElement, Executable
 
 from pgq import schema as t
+from pgq.records import AttemptEvent
+from pgq.sql import history
 from pgq.sql.claim import fenced, held_by
 
 d = t.delivery
@@ -102,11 +104,12 @@ def record_failures() -> Executable:
     Per row: `states` (ready or dead), `charges` (1 for a finished attempt, 0
     for a snooze), `delays` (seconds until claimable again), `classes`
     (error_class, NULL for a snooze), `errors` (text), `epochs` (the breaker
-    epoch the attempt ran under). A systemic failure adds one refundable
-    attempt; any other failure resets the refundable charges. A snooze keeps
-    the charges but clears the error class: the row now waits for the time the
-    user asked for, not for a systemic retry, so no probe or refund runs it
-    before then.
+    epoch the attempt ran under), `seconds` (how long its handler ran, or NULL).
+    Each writes a line of the message's history (`pgq.sql.history`). A systemic
+    failure adds one refundable attempt; any other failure resets the refundable
+    charges. A snooze keeps the charges but clears the error class: the row now
+    waits for the time the user asked for, not for a systemic retry, so no probe
+    or refund runs it before then.
 
     The times (`now()` + delay) are computed in the input, from `:delays` alone,
     and the `SET` only copies them: Citus refuses a STABLE function called with
@@ -122,13 +125,16 @@ def record_failures() -> Executable:
             bindparam("classes", type_=ARRAY(Text)),
             bindparam("errors", type_=ARRAY(Text)),
             bindparam("epochs", type_=ARRAY(Integer)),
+            bindparam("seconds", type_=ARRAY(Float)),
         )
-        .table_valued("message_id", "seq", "state", "charge", "due", "class", "error", "epoch")
+        .table_valued(
+            "message_id", "seq", "state", "charge", "due", "class", "error", "epoch", "seconds"
+        )
         .render_derived()
     )
     snooze = o.c["class"].is_(None)
     systemic = o.c["class"] == t.SYSTEMIC
-    return (
+    failed = (
         update(d)
         .where(
             held_by(d.c.lease_owner == bindparam("member")),
@@ -152,12 +158,46 @@ def record_failures() -> Executable:
                 (systemic, d.c.refundable_reclaims),
                 else_=literal_column("0"),
             ),
+            events=d.c.events + 1,
             lease_owner=None,
             lease_expires_at=None,
             updated_at=func.now(),
         )
-        .returning(d.c.message_id, d.c.lease_seq)
+        .returning(
+            d.c.message_id,
+            d.c.lease_seq,
+            d.c.events,
+            d.c.state,
+            d.c.attempts,
+            d.c.reclaims,
+            d.c.refunds,
+            o.c["class"],
+            o.c.error,
+            o.c.epoch,
+            o.c.seconds,
+        )
+        .cte("failed")
     )
+    f = failed.c
+    written = history.written_by(
+        failed,
+        {
+            "event": case(
+                (f["class"].is_(None), AttemptEvent.SNOOZED.value),
+                (f.state == t.DEAD, AttemptEvent.DIED.value),
+                else_=AttemptEvent.FAILED.value,
+            ),
+            "member": bindparam("member", type_=Text),
+            "seconds": f.seconds,
+            "error_class": f["class"],
+            "error": f.error,
+            "epoch": f.epoch,
+            "attempts": f.attempts,
+            "reclaims": f.reclaims,
+            "refunds": f.refunds,
+        },
+    )
+    return select(f.message_id, f.lease_seq).add_cte(written)
 
 
 def _available_at() -> ColumnElement[Any]:

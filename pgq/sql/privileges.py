@@ -68,6 +68,9 @@ CONSUMER_TABLES: dict[str, tuple[str, ...]] = {
     # the probe log: each probe's outcome writes one; retention deletes the old ones
     # (and reads their `at` to choose them: SELECT)
     "probe": ("SELECT", "INSERT", "DELETE"),
+    # a message's history: failures, reclaims and refunds write a line (a slot's
+    # older line rewritten: UPDATE); retention deletes old lines
+    "attempt": ("SELECT", "INSERT", "UPDATE", "DELETE"),
 }
 """Table privileges a consumer member needs (besides USAGE on the schema)."""
 
@@ -121,6 +124,9 @@ ADMIN_TABLES: dict[str, tuple[str, ...]] = {
     "breaker": ("SELECT", *ADMIN_REMOVALS["breaker"]),
     "breaker_history": ("SELECT", *ADMIN_REMOVALS["breaker_history"]),  # breaker
     "probe": ("SELECT", *ADMIN_REMOVALS["probe"]),  # breaker (its probes)
+    # a message's history (web); unsubscribe deletes the group's (schema version 9:
+    # not among `ADMIN_REMOVALS`, which version 5 carries)
+    "attempt": ("SELECT", "DELETE"),
     "audit": ("SELECT", "INSERT"),  # every audited change writes it (and returns its id)
 }
 """Table privileges an administrator needs (besides USAGE on the schema): audited
@@ -150,6 +156,15 @@ GROUP_STATE_CARRIED: Carried = {
 `group_state`: a role that could update them before (a consumer's) may still, one
 that reads the breaker's history (an administrator, a monitoring role) reads them.
 A producer (SELECT on `consumer_group` only) needs nothing there."""
+
+
+HISTORY_CARRIED: Carried = {
+    ("probe", "INSERT"): CONSUMER_TABLES["attempt"],
+    ("probe", "SELECT"): ADMIN_TABLES["attempt"],
+}
+"""Schema version 9 adds `attempt`: a role granted INSERT on the probe log before (a
+consumer's) gets a consumer's privileges on it, one granted SELECT there (an
+administrator, a monitoring role) gets an administrator's (decision 0046)."""
 
 
 DEDUPE_CARRIED: dict[str, Carried] = {

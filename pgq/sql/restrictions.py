@@ -54,6 +54,7 @@ GROUP_KEYED = (
     "breaker_history",
     "probe",
     "audit",
+    "attempt",
 )
 """Tables whose rows belong to a group (their `group_id`)."""
 
@@ -133,6 +134,29 @@ def drop_statements(schema: str, existing: Iterable[tuple[str, str]]) -> list[ps
             psql.Identifier(policy), psql.Identifier(schema, name)
         )
         for name, policy in existing
+    ]
+
+
+def group_table_statements(
+    schema: str, name: str, roles: Iterable[tuple[str, str]]
+) -> list[psql.Composed]:
+    """A group-keyed table a migration adds (`name`, of `GROUP_KEYED`) restricted as
+    the others already are: row-level security on with `pgq_all`, and for each of
+    `roles` ((role name, policy name) of each restricted role, as `restricted_roles`
+    reads them on `probe`) the restriction every group table has."""
+    on = psql.Identifier(schema, name)
+    rows = _visible(schema, "group_id", "consumer_group")
+    return [
+        psql.SQL("CREATE POLICY {} ON {} USING (true) WITH CHECK (true)").format(
+            psql.Identifier(OPEN_POLICY), on
+        ),
+        psql.SQL("ALTER TABLE {} ENABLE ROW LEVEL SECURITY").format(on),
+        *(
+            psql.SQL(
+                "CREATE POLICY {} ON {} AS RESTRICTIVE TO {} USING ({}) WITH CHECK ({})"
+            ).format(psql.Identifier(policy), on, psql.Identifier(role), rows, rows)
+            for role, policy in roles
+        ),
     ]
 
 
@@ -255,6 +279,23 @@ def policies() -> Executable:
         .select_from(p.join(c, c.c.oid == p.c.polrelid))
         .where(c.c.relnamespace == _in_schema())
         .order_by(c.c.relname, p.c.polname)
+    )
+
+
+@cache
+def restricted_roles() -> Executable:
+    """(role name, policy name) of every role restricted on table `:table` of schema
+    `:schema` (its `pgq_only_<oid>` policy)."""
+    c, p = catalog.classes, catalog.policies
+    return (
+        select(func.pg_get_userbyid(p.c.polroles[1]), p.c.polname)
+        .select_from(p.join(c, c.c.oid == p.c.polrelid))
+        .where(
+            c.c.relnamespace == _in_schema(),
+            c.c.relname == bindparam("table", type_=Text),
+            p.c.polname.startswith("pgq_only_"),
+        )
+        .order_by(p.c.polname)
     )
 
 

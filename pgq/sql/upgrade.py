@@ -76,6 +76,14 @@ def add_group_ordered(qualified: str) -> TextClause:
     return text(f"ALTER TABLE {qualified} ADD COLUMN ordered boolean NOT NULL DEFAULT false")
 
 
+def add_delivery_events(qualified: str) -> TextClause:
+    """Schema version 9: how many history lines a delivery row has written
+    (`qualified`: the delivery table, quoted and schema-qualified); 0 for the rows
+    that exist. A constant default is stored once, in the catalog: no row is
+    rewritten."""
+    return text(f"ALTER TABLE {qualified} ADD COLUMN events integer NOT NULL DEFAULT 0")
+
+
 def index_as_declared() -> Executable:
     """Whether index `:index` (a qualified name) is the one declared: valid, unique,
     on the columns `:columns` in that order, with the predicate `:predicate` (as

@@ -243,6 +243,7 @@ class BreakerStore(Claims, Outcomes):
             "from_epoch": from_epoch,
             "max_refunds": max_refunds,
             "limit": limit,
+            "member": self.member,
         }
         return int(conn.execute(breaker_sql.reconcile_batch(), params).scalar() or 0)
 

@@ -10,6 +10,7 @@ from sqlalchemy import Connection
 
 from pgq.logcontext import get_logger
 from pgq.sql import frontier as frontier_sql
+from pgq.sql import history as history_sql
 from pgq.sql import locks as locks_sql
 from pgq.sql import stats as stats_sql
 from pgq.sql.locks import (
@@ -185,3 +186,9 @@ class Housekeeping(GroupScope):
         seconds; returns how many."""
         params = {"gid": self.gid, "retention": dt.timedelta(seconds=retention), "limit": limit}
         return int(conn.execute(frontier_sql.delete_expired_probes(), params).scalar() or 0)
+
+    def expire_history(self, conn: Connection, retention: float, limit: int = EXPIRE_BATCH) -> int:
+        """Delete one batch of this group's history lines older than `retention`
+        seconds; returns how many."""
+        params = {"gid": self.gid, "retention": dt.timedelta(seconds=retention), "limit": limit}
+        return int(conn.execute(history_sql.delete_expired_lines(), params).scalar() or 0)

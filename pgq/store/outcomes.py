@@ -63,6 +63,7 @@ class Outcomes(GroupScope):
                 "classes": [o.error_class for o in failed],
                 "errors": [clean_text(o.error) for o in failed],
                 "epochs": [o.claimed.epoch for o in failed],
+                "seconds": [o.seconds for o in failed],
             }
             applied |= lease_set(run_hot(conn, outcome_sql.record_failures(), params))
         return applied

@@ -31,6 +31,7 @@ import pgq
 from pgq import monitor
 from pgq import schema as t
 from pgq.errors import PermissionDenied, UnknownGroup, UnknownTopic
+from pgq.sql import restrictions
 from pgq.store import group_info, purge, requeue
 
 
@@ -155,6 +156,11 @@ ATTACKS = {
     ),
     "UPDATE {s}.breaker_history SET refunded = 0 WHERE group_id = {shipping}": "0 rows",
     "DELETE FROM {s}.probe WHERE group_id = {hr}": "0 rows",
+    # another group's message histories (error texts)
+    "SELECT error FROM {s}.attempt WHERE group_id <> {billing}": "0 rows",
+    "DELETE FROM {s}.attempt WHERE group_id = {hr}": "0 rows",
+    "INSERT INTO {s}.attempt (group_id, message_id, slot, n, event, attempts, reclaims, refunds)"
+    " VALUES ({shipping}, {secret}, 1, 1, 'failed', 1, 0, 0)": "error: InsufficientPrivilege",
     "SELECT * FROM {s}.audit WHERE group_id <> {billing}": "error: InsufficientPrivilege",
 }
 """Each statement a `--consumer --group billing` role tries, and what happens."""
@@ -367,7 +373,7 @@ def test_roles_granted_before_the_first_restriction_keep_every_row(
                 " WHERE n.nspname = %s AND c.relrowsecurity",
                 [schema],
             ).fetchone()
-        assert secured == (10,)
+        assert secured == (len(restrictions.TABLES),)
         watcher = pgq.connect(monitoring_dsn, schema=schema)
         try:
             assert len(monitor.status_all(watcher)["groups"]) == 3
@@ -397,7 +403,7 @@ def test_grant_again_replaces_the_restriction_and_without_lifts_it(
 ):
     role = granted("--consumer", "--group", "billing")
     first = policies_of(pg_dsn, schema, role.name)
-    assert len(first) == 12
+    assert len(first) == len(restrictions.TABLES) + 2  # and two on deleting, locking messages
     again = invoke(pgq_env, "grant", role.name, "--consumer", "--group", "billing")
     assert again.exit_code == 0, again.output
     assert policies_of(pg_dsn, schema, role.name) == first  # idempotent
@@ -457,3 +463,32 @@ def test_a_bad_restriction_is_refused_and_grants_nothing(
                 monitor.status_all(eng)
         finally:
             eng.dispose()
+
+
+def test_a_group_table_a_migration_adds_is_restricted_as_the_others(
+    orders, world, granted, pg_dsn, schema
+):
+    """Schema version 9 adds `attempt` (a message's history, with error texts): where
+    roles are restricted, the migration restricts them there too. Here the table is
+    dropped and version 9 applied again, as on a database restricted before it."""
+    role = granted("--consumer", "--group", "billing")
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        s = sql.Identifier(schema)
+        conn.execute(sql.SQL("DROP TABLE {}.attempt").format(s))
+        conn.execute(sql.SQL("DELETE FROM {}.schema_version WHERE version >= 9").format(s))
+    pgq.migrate(orders)
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        s = sql.Identifier(schema)
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {}.attempt (group_id, message_id, slot, n, event, error,"
+                " attempts, reclaims, refunds) SELECT id, 1, 1, 1, 'failed', 'secret', 1, 0, 0"
+                " FROM {}.consumer_group"
+            ).format(s, s)
+        )
+    assert any(p.startswith("attempt: ") for p in policies_of(pg_dsn, schema, role.name))
+    seen = attempt(
+        role.dsn, f'SELECT * FROM "{schema}".attempt WHERE group_id <> {world["billing"]}'
+    )
+    assert seen == "0 rows"
+    assert attempt(role.dsn, f'SELECT * FROM "{schema}".attempt') == "1 rows"

@@ -233,14 +233,16 @@ def test_init_keeps_each_role_able_to_do_its_job(
 ):
     """Roles granted a producer's, a consumer's and an administrator's privileges
     before the upgrade get what their job needs on the tables added since (the probe
-    log, version 3; group_state, version 4) and for what it can do since (an
-    administrator removes groups and topics, version 5; a producer publishes with
-    dedupe keys, version 7), and no more: the consumer
-    is not refused at start and drains, the producer publishes, `pgq breaker` works
+    log, version 3; group_state, version 4; a message's history, version 9) and for
+    what it can do since (an administrator removes groups and topics, version 5; a
+    producer publishes with dedupe keys, version 7), and no more: the consumer is
+    not refused at start and drains, the producer publishes, `pgq breaker` works
     for the administrator."""
     added = [("group_state", p) for p in ("SELECT", "UPDATE")] if version < 4 else []
     if version < 3:
         added += [("probe", p) for p in ("SELECT", "INSERT", "DELETE")]
+    if version < 9:  # a message's history
+        added += [("attempt", p) for p in ("SELECT", "INSERT", "UPDATE", "DELETE")]
     removals = [(name, p) for name, ps in ADMIN_REMOVALS.items() for p in ps] if version < 5 else []
     # version 7: what publishing with dedupe keys needs (the column is new)
     keys = [("message.topic_id", "SELECT"), ("message.dedupe_key", "SELECT")] if version < 7 else []

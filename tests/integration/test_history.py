@@ -1,0 +1,161 @@
+"""A message's history in a group (`attempt`, schema version 9; decision 0046).
+
+The group's own statements (claim, outcomes, sweep, close, reconcile) run on the
+real database and write the lines; `pgq.store.history.message_history` reads
+them back as the dashboard's message page shows them. Time is moved by hand: a
+lease expires by writing its expiry into the past.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import Engine, func, select, text, update
+
+import pgq
+from pgq import schema as t
+from pgq.read_models import MessageHistory
+from pgq.records import AttemptEvent, Claimed, Outcome, OutcomeKind
+from pgq.store import GroupStore, group_info, run_once
+from pgq.store.history import message_history
+
+MAX_REFUNDS = 3
+FAR_PAST = dt.datetime(2000, 1, 1, tzinfo=dt.timezone.utc)
+
+
+def store(engine: Engine, max_reclaims: int = 3, member: str = "m") -> GroupStore:
+    info = group_info(engine, "billing")
+    return GroupStore(info.id, "billing", "orders", member, 30.0, max_reclaims)
+
+
+def history(engine: Engine, mid: int) -> MessageHistory:
+    return message_history(engine, "billing", mid, FAR_PAST)
+
+
+def claim(engine: Engine, s: GroupStore, epoch: int = 0) -> Claimed:
+    [claimed] = run_once(engine, s.claim, 1, epoch)
+    return claimed
+
+
+def fail(engine: Engine, s: GroupStore, claimed: Claimed, kind: str, cls: str | None, **kw) -> None:
+    outcome = Outcome(claimed, OutcomeKind(kind), 0.0, cls, f"{cls} failure", **kw)
+    assert run_once(engine, s.record, [outcome]) == {claimed.lease}
+
+
+def set_breaker(engine: Engine, state: str, epoch: int) -> None:
+    with engine.begin() as conn:
+        conn.execute(update(t.breaker).values(state=state, epoch=epoch))
+
+
+def expire_and_sweep(engine: Engine, s: GroupStore) -> None:
+    with engine.begin() as conn:
+        conn.execute(update(t.delivery).values(lease_expires_at=func.now() - text("interval '1s'")))
+    run_once(engine, s.sweep)
+
+
+def test_failures_write_lines_a_success_writes_none(orders):
+    """Each failed attempt is a line: who ran it, how long, its class and error, the
+    epoch, the row's counters after it; the last one `died`. A success adds none."""
+    [mid, other] = pgq.publish_many(orders, "orders", [{"n": 1}, {"n": 2}])
+    s = store(orders)
+    first = claim(orders, s)
+    assert first.id == mid
+    fail(orders, s, first, "retry", "message", seconds=0.25)
+    with orders.begin() as conn:  # due now: the retry's backoff moved by hand
+        conn.execute(update(t.delivery).values(available_at=func.now()))
+    fail(orders, s, claim(orders, s), "dead", "permanent")
+    done = claim(orders, s)
+    assert done.id == other
+    assert run_once(orders, s.record, [Outcome(done, OutcomeKind.DONE)]) == {done.lease}
+
+    found = history(orders, mid)
+    assert [(x.n, x.event, x.member, x.error_class) for x in found.lines] == [
+        (1, AttemptEvent.FAILED, "m", "message"),
+        (2, AttemptEvent.DIED, "m", "permanent"),
+    ]
+    assert found.lines[0].seconds == 0.25 and found.lines[1].seconds is None
+    assert [(x.attempts, x.reclaims, x.refunds) for x in found.lines] == [(1, 0, 0), (2, 0, 0)]
+    assert found.lines[0].error == "message failure"
+    assert found.lines_written == 2 and found.lines_lost == 0
+    assert history(orders, other).lines == ()
+
+
+def test_a_snooze_is_a_line_without_a_charge(orders):
+    [mid] = pgq.publish_many(orders, "orders", [{"n": 1}])
+    s = store(orders)
+    fail(orders, s, claim(orders, s), "snooze", None)
+    [line] = history(orders, mid).lines
+    assert (line.event, line.attempts, line.error_class) == (AttemptEvent.SNOOZED, 0, None)
+
+
+def test_an_expired_lease_is_a_line_naming_its_holder_and_dying_of_it_too(orders):
+    [mid] = pgq.publish_many(orders, "orders", [{"n": 1}])
+    s = store(orders, max_reclaims=1, member="lost")
+    claim(orders, s)
+    expire_and_sweep(orders, s)
+    claim(orders, s)
+    expire_and_sweep(orders, s)
+    lines = history(orders, mid).lines
+    assert [(x.event, x.member, x.reclaims) for x in lines] == [
+        (AttemptEvent.RECLAIMED, "lost", 1),
+        (AttemptEvent.DIED, "lost", 2),
+    ]
+    assert lines[1].error_class == "lease" and lines[0].error_class is None
+
+
+def test_an_outage_and_its_refund_in_the_history_with_the_breaker_s_epochs(orders):
+    """Systemic failures under the open breaker, then the close's refund: the lines
+    say so in order, with the epochs; the breaker's transitions are there too."""
+    [mid] = pgq.publish_many(orders, "orders", [{"n": 1}])
+    s = store(orders)
+    claimed = claim(orders, s)  # the attempt starts, and the dependency goes down
+    set_breaker(orders, "OPEN", 1)
+    with orders.begin() as conn:
+        conn.execute(
+            t.breaker_history.insert().values(group_id=s.gid, epoch=1, state="OPEN", by_member="m")
+        )
+    fail(orders, s, claimed, "dead", "systemic")
+    close = run_once(orders, s.close, 1)
+    view = run_once(orders, s.breaker)
+    assert run_once(orders, s.reconcile_batch, close, view.reconcile_from, MAX_REFUNDS, 100) == 1
+
+    found = history(orders, mid)
+    assert [(x.event, x.epoch, x.attempts, x.refunds) for x in found.lines] == [
+        (AttemptEvent.DIED, 0, 1, 0),  # the epoch it ran under
+        (AttemptEvent.REFUNDED, close, 0, 1),
+    ]
+    assert found.lines[1].member == "m"
+    assert [(tr.epoch, tr.state.value) for tr in found.breaker] == [(1, "OPEN"), (2, "CLOSED")]
+
+
+def test_the_history_keeps_the_newest_lines_in_a_ring(orders):
+    """A message that fails for ever keeps `HISTORY_SLOTS` lines, the newest."""
+    [mid] = pgq.publish_many(orders, "orders", [{"n": 1}])
+    s = store(orders)
+    total = t.HISTORY_SLOTS + 5
+    for _ in range(total):
+        fail(orders, s, claim(orders, s), "snooze", None)
+    found = history(orders, mid)
+    assert [x.n for x in found.lines] == list(range(6, total + 1))
+    assert (found.lines_written, found.lines_lost) == (total, 5)
+    with orders.connect() as conn:
+        kept = conn.execute(select(func.count()).select_from(t.attempt)).scalar_one()
+    assert kept == t.HISTORY_SLOTS
+
+
+def test_retention_deletes_old_lines_and_unsubscribe_the_group_s(orders):
+    [mid] = pgq.publish_many(orders, "orders", [{"n": 1}])
+    s = store(orders)
+    fail(orders, s, claim(orders, s), "snooze", None)
+    fail(orders, s, claim(orders, s), "snooze", None)
+    with orders.begin() as conn:
+        conn.execute(
+            update(t.attempt)
+            .where(t.attempt.c.n == 1)
+            .values(at=func.now() - text("interval '2 days'"))
+        )
+    assert run_once(orders, s.expire_history, 86400.0) == 1
+    assert [x.n for x in history(orders, mid).lines] == [2]
+    pgq.unsubscribe(orders, "billing", reason="test")
+    with orders.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(t.attempt)).scalar_one() == 0
