@@ -24,15 +24,19 @@ __all__ = [
     "FrontierHolder",
     "GroupBreaker",
     "GroupStatus",
+    "HistoryLine",
     "JsonModel",
     "MemberStatus",
+    "MessageHistory",
     "MessagePage",
+    "MessageProbe",
     "MessageSummary",
     "StatusAll",
     "TopicGroup",
     "TopicInfo",
     "Topics",
     "Totals",
+    "Transition",
     "iso",
     "json_default",
 ]
@@ -358,4 +362,105 @@ class MessagePage:
             "order": "desc" if self.descending else "asc",
             "more": self.more,
             "searched_to": self.searched_to,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryLine:
+    """One line of a message's history in a group (`attempt`): what happened
+    (`pgq.records.AttemptEvent`), when, to whose attempt or lease, and the row's
+    counters after it."""
+
+    n: int
+    at: dt.datetime
+    event: str
+    member: str | None
+    seconds: float | None
+    error_class: str | None
+    error: str | None
+    epoch: int | None
+    attempts: int
+    reclaims: int
+    refunds: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "n": self.n,
+            "at": iso(self.at),
+            "event": self.event,
+            "member": self.member,
+            "seconds": self.seconds,
+            "error_class": self.error_class,
+            "error": self.error,
+            "epoch": self.epoch,
+            "attempts": self.attempts,
+            "reclaims": self.reclaims,
+            "refunds": self.refunds,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class MessageProbe:
+    """A group probe the message was taken for (`probe`)."""
+
+    epoch: int
+    at: dt.datetime
+    member: str | None
+    outcome: str
+    error_class: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "at": iso(self.at),
+            "member": self.member,
+            "outcome": self.outcome,
+            "error_class": self.error_class,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """A group breaker transition (`breaker_history`): the epoch it began, its state,
+    when, how many rows its close refunded, and the member that made it."""
+
+    epoch: int
+    state: BreakerState
+    at: dt.datetime
+    refunded: int
+    by_member: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "state": self.state.value,
+            "at": iso(self.at),
+            "refunded": self.refunded,
+            "by_member": self.by_member,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class MessageHistory:
+    """What happened to a message in a group, oldest first: its history lines (at
+    most `pgq.schema.HISTORY_SLOTS`, the newest; `lines_written` counts every line
+    its row wrote, 0 where unknown), the probes it was taken for, and the breaker's
+    transitions while it was there (from the one it was published under)."""
+
+    lines: tuple[HistoryLine, ...]
+    lines_written: int
+    probes: tuple[MessageProbe, ...]
+    breaker: tuple[Transition, ...]
+
+    @property
+    def lines_lost(self) -> int:
+        """Lines written that the ring of slots no longer holds."""
+        return max(self.lines_written - len(self.lines), 0) if self.lines else 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "lines": [line.to_json() for line in self.lines],
+            "lines_written": self.lines_written,
+            "probes": [p.to_json() for p in self.probes],
+            "breaker": [tr.to_json() for tr in self.breaker],
         }

@@ -4,9 +4,9 @@
 No statement of its own: the overview is `status_all` (plus the pending/real
 split of `check` for groups with dead rows), the group page `status`,
 `breaker_info`, `check` with its dead split and `audit`, the message page
-`message`, the messages page `pgq.store.messages.find` (a keyset page of a
-filter), a bulk action's confirmation `fix_matching`, the topics page
-`pgq topics`'s `topics`.
+`message` and `pgq.store.history.message_history`, the messages page
+`pgq.store.messages.find` (a keyset page of a filter), a bulk action's
+confirmation `fix_matching`, the topics page `pgq topics`'s `topics`.
 `Dashboard` also keeps the charts' `History`, fed by the sampler thread and
 by every overview it reads.
 
@@ -35,6 +35,7 @@ from pgq.errors import DatabaseUnavailable, PgqError
 from pgq.read_models import GroupStatus, MessageSummary, StatusAll, Topics
 from pgq.records import BreakerState, MessageFilter
 from pgq.store import database_now
+from pgq.store import history as store_history
 from pgq.store import lifecycle as store_lifecycle
 from pgq.store import messages as store_messages
 from pgq.store.deadline import ReadDeadline
@@ -309,7 +310,10 @@ class Dashboard:
         return self._within(self._message, group, message_id)
 
     def _message(self, engine: Engine, group: str, message_id: int) -> dict[str, Any]:
-        return {"message": monitor.message(engine, group, message_id), "now": self._now(engine)}
+        found = monitor.message(engine, group, message_id)
+        published = dt.datetime.fromisoformat(found["created_at"])
+        history = store_history.message_history(engine, group, message_id, published)
+        return {"message": found, "history": history, "now": self._now(engine)}
 
     @staticmethod
     def _now(engine: Engine) -> dt.datetime:

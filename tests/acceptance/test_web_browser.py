@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 from helpers import reap, wait_until
 from members import ConsumeProcesses, consume_processes
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 
 import pgq
-from pgq import monitor
+from pgq import monitor, schema
 from pgq.web import WebOptions, WebServer, dashboard_server
 
 pytestmark = pytest.mark.slow
@@ -206,6 +206,24 @@ def test_an_operator_watches_an_outage_open_probe_close_and_refund(browser, memb
     )
     shoot(driver, tmp_path, "closed")
     assert driver.execute_script("return window.pgqNotReloaded === true"), "the page reloaded"
+
+    # a refunded message's page tells its story: the outage's failures, the refund
+    # at the close, the breaker's epochs it lived through
+    a = schema.attempt
+    with engine.connect() as conn:
+        refunded_id = conn.execute(
+            select(a.c.message_id).where(a.c.event == "refunded").limit(1)
+        ).scalar_one()
+    driver.get(f"{web.url}groups/g/messages/{refunded_id}")
+    wait_until(lambda: text_of(driver, "#history tr.event-refunded"), 10, "the refund line")
+    events = [
+        e.get_attribute("class") for e in driver.find_elements("css selector", "#history tbody tr")
+    ]
+    refund = events.index("event-refunded")
+    assert {"event-failed", "event-died", "event-reclaimed"} & set(events[:refund]), events
+    states = [e.text for e in driver.find_elements("css selector", "#epochs .state")]
+    assert "OPEN" in states and "CLOSED" in states, states
+    shoot(driver, tmp_path, "message-history")
 
     driver.get(web.url + "?all=1")
     wait_until(lambda: text_of(driver, 'tr[data-group="g"] .state') == "CLOSED", 10, "overview")
