@@ -438,7 +438,7 @@ def reconcile_batch() -> Executable:
     Returns how many rows were refunded (and adds them to the totals).
     """
     batch = (
-        select(d.c.message_id)
+        select(d.c.message_id, func.now().label("now"))
         .where(_owed_a_refund())
         .limit(bindparam("limit"))
         .with_for_update(skip_locked=True)
@@ -449,8 +449,10 @@ def reconcile_batch() -> Executable:
         .where(d.c.group_id == bindparam("gid"), d.c.message_id == batch.c.message_id)
         .values(
             state=t.READY,
+            # the time from the batch, not `now()` in the CASE: Citus refuses a
+            # STABLE function in a CASE of a statement it cannot ship whole (0023)
             available_at=case(
-                (or_(d.c.state == t.DEAD, d.c.error_class == t.SYSTEMIC), func.now()),
+                (or_(d.c.state == t.DEAD, d.c.error_class == t.SYSTEMIC), batch.c.now),
                 else_=d.c.available_at,
             ),
             attempts=func.greatest(0, d.c.attempts - d.c.refundable_attempts),
