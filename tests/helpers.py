@@ -22,6 +22,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote
 
 from sqlalchemy import Connection, Engine, func, select, text, update
 
@@ -410,6 +411,16 @@ def run_machine(
 
 CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")
 """The Citus coordinator the `citus` tests run on (`.ci/run` starts one and sets it)."""
+
+
+STRICT_CITUS_DSN = (
+    CITUS_DSN
+    + ("&" if "?" in CITUS_DSN else "?")
+    + "options="
+    + quote("-c citus.multi_task_query_log_level=error")
+)
+"""`CITUS_DSN` whose every connection refuses a multi-task statement (libpq `options`):
+a statement Citus would split into several tasks fails instead of running."""
 
 
 def citus_marks() -> list[Any]:

@@ -22,11 +22,10 @@ import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import quote
 
 import psycopg
 import pytest
-from helpers import CITUS_DSN, KeyRuns, citus_marks
+from helpers import CITUS_DSN, STRICT_CITUS_DSN, KeyRuns, citus_marks
 from psycopg import sql
 from sqlalchemy import Engine, text, update
 
@@ -38,12 +37,6 @@ pytestmark = citus_marks()
 
 N = 160
 KEYS = 8
-STRICT = "-c citus.multi_task_query_log_level=error"
-"""libpq `options`: Citus refuses a multi-task statement on this connection."""
-
-
-def with_options(dsn: str, options: str) -> str:
-    return dsn + ("&" if "?" in dsn else "?") + "options=" + quote(options)
 
 
 @contextlib.contextmanager
@@ -74,7 +67,7 @@ def drain(
 ) -> pgq.RunSummary:
     """Drain `g` on an engine whose every connection refuses multi-task statements;
     fail on any log line that says one was refused."""
-    strict = pgq.connect(with_options(CITUS_DSN, STRICT), schema=schema, pool_size=4)
+    strict = pgq.connect(STRICT_CITUS_DSN, schema=schema, pool_size=4)
     try:
         with strict.connect() as conn:
             assert conn.scalar(text("SHOW citus.multi_task_query_log_level")) == "error"

@@ -30,11 +30,10 @@ import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import quote
 
 import psycopg
 import pytest
-from helpers import CITUS_DSN, citus_marks
+from helpers import CITUS_DSN, STRICT_CITUS_DSN, citus_marks
 from psycopg import sql
 from sqlalchemy import Connection, Engine, text
 
@@ -45,14 +44,6 @@ pytestmark = citus_marks()
 N = 120
 ACCOUNTS = 16
 """Distinct values of the effect table's distribution column (over its 32 shards)."""
-
-STRICT = "-c citus.multi_task_query_log_level=error"
-"""libpq `options`: Citus refuses a multi-task statement on this connection."""
-
-
-def with_options(dsn: str, options: str) -> str:
-    """`dsn` (a URL) whose connections start with `options`."""
-    return dsn + ("&" if "?" in dsn else "?") + "options=" + quote(options)
 
 
 @contextlib.contextmanager
@@ -93,7 +84,7 @@ def drain(
 ) -> pgq.RunSummary:
     """Drain `g` on an engine whose every connection refuses multi-task statements;
     fail on any log line that says one was refused."""
-    strict = pgq.connect(with_options(CITUS_DSN, STRICT), schema=schema, pool_size=4)
+    strict = pgq.connect(STRICT_CITUS_DSN, schema=schema, pool_size=4)
     try:
         with strict.connect() as conn:  # the setting holds on the engine's connections
             level = conn.scalar(text("SHOW citus.multi_task_query_log_level"))
