@@ -159,3 +159,43 @@ def test_retention_deletes_old_lines_and_unsubscribe_the_group_s(orders):
     pgq.unsubscribe(orders, "billing", reason="test")
     with orders.connect() as conn:
         assert conn.execute(select(func.count()).select_from(t.attempt)).scalar_one() == 0
+
+
+def test_a_successful_probe_s_refund_is_a_refunded_line(orders):
+    """The probe that closes an outage refunds the systemic charges of the row it ran
+    (its close counts it among the `refunded`): that refund is a line, like the
+    close's reconciliation of the other rows, with the counters after it. Failed
+    until `probe_done` wrote one: the page showed the charges, then `done`, and the
+    close's "refunded 1" had no line anywhere."""
+    [mid] = pgq.publish_many(orders, "orders", [{"n": 1}])
+    s = store(orders)
+    claimed = claim(orders, s)
+    set_breaker(orders, "OPEN", 1)
+    fail(orders, s, claimed, "retry", "systemic")
+    with orders.begin() as conn:  # the retry's backoff moved by hand
+        conn.execute(update(t.delivery).values(available_at=func.now()))
+    probe = run_once(orders, s.claim_probe, 1, MAX_REFUNDS, 30.0)
+    assert probe is not None and probe.id == mid
+    written, close = run_once(orders, s.probe_succeeded, probe, 1)
+    assert written and close is not None
+
+    found = history(orders, mid)
+    assert [(x.event, x.member, x.epoch, x.attempts, x.refunds) for x in found.lines] == [
+        (AttemptEvent.FAILED, "m", 0, 1, 0),
+        (AttemptEvent.REFUNDED, "m", close, 1, 1),  # the probe's own attempt, done
+    ]
+    with orders.connect() as conn:
+        events = conn.execute(select(t.delivery.c.events)).scalar_one()
+    assert events == 2
+
+
+def test_a_probe_without_charges_writes_no_line(orders):
+    """A probe that succeeds on a row with nothing to refund is a success: no line."""
+    [mid] = pgq.publish_many(orders, "orders", [{"n": 1}])
+    s = store(orders)
+    set_breaker(orders, "OPEN", 1)
+    probe = run_once(orders, s.claim_probe, 1, MAX_REFUNDS, 30.0)
+    assert probe is not None and probe.id == mid
+    written, _close = run_once(orders, s.probe_succeeded, probe, 1)
+    assert written
+    assert history(orders, mid).lines == ()
