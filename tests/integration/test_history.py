@@ -9,7 +9,9 @@ lease expires by writing its expiry into the past.
 from __future__ import annotations
 
 import datetime as dt
+import urllib.request
 
+import pytest
 from sqlalchemy import Engine, func, select, text, update
 
 import pgq
@@ -199,3 +201,32 @@ def test_a_probe_without_charges_writes_no_line(orders):
     written, _close = run_once(orders, s.probe_succeeded, probe, 1)
     assert written
     assert history(orders, mid).lines == ()
+
+
+def test_a_held_row_whose_lines_retention_took_says_they_are_gone(orders):
+    """Retention takes lines older than it even where the row is still held (a dead
+    row waits for an operator past retention): the history then counts the row's
+    lines (`delivery.events`), not the newest kept, and the page says they are
+    gone. Failed before: `lines_written` was 0 and the page said the message had
+    no failure recorded, for a row dead of its failures."""
+    [mid] = pgq.publish_many(orders, "orders", [{"n": 1}])
+    s = store(orders)
+    fail(orders, s, claim(orders, s), "dead", "permanent")
+    with orders.begin() as conn:
+        conn.execute(update(t.attempt).values(at=func.now() - text("interval '2 days'")))
+    assert run_once(orders, s.expire_history, 86400.0) == 1
+    found = history(orders, mid)
+    assert (found.lines, found.lines_written, found.lines_lost) == ((), 1, 1)
+
+    pytest.importorskip("flask")
+    from pgq.web import dashboard_server
+
+    server = dashboard_server(orders, host="127.0.0.1", port=0)
+    server.start()
+    try:
+        with urllib.request.urlopen(f"{server.url}groups/billing/messages/{mid}") as answer:
+            page = answer.read().decode()
+    finally:
+        server.close()
+    assert "the 1 oldest line of 1 no longer kept" in page
+    assert 'id="no-history"' not in page
