@@ -9,6 +9,7 @@ lease expires by writing its expiry into the past.
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import urllib.request
 
 import pytest
@@ -230,3 +231,74 @@ def test_a_held_row_whose_lines_retention_took_says_they_are_gone(orders):
         server.close()
     assert "the 1 oldest line of 1 no longer kept" in page
     assert 'id="no-history"' not in page
+
+
+def test_two_members_failing_often_write_one_line_per_failure_in_order(orders):
+    """Two real members share the group; the handler fails by the message's id (a
+    permanent error, message errors then a success, a snooze then a success, message
+    errors until it dies, a success). After the drain each message's lines are
+    n = 1..k, one per failed call the handlers saw, in their order, with the
+    counters the calls imply; a success writes none."""
+    from pgq.errors import PermanentError, RetryLater
+
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(40)])
+    calls: dict[int, list[str]] = {mid: [] for mid in ids}
+    lock = threading.Lock()
+
+    def handle(msg: pgq.Message) -> None:
+        with lock:
+            seen = calls[msg.id]
+            kind = msg.id % 5
+            if kind == 0:
+                outcome = "died"
+            elif kind == 1:
+                outcome = "failed" if msg.attempt <= 2 else "done"
+            elif kind == 2:
+                outcome = "snoozed" if not seen else "done"
+            elif kind == 3:
+                outcome = "died" if msg.attempt == 3 else "failed"
+            else:
+                outcome = "done"
+            seen.append(outcome)
+        if outcome == "died" and kind == 0:
+            raise PermanentError("poison")
+        if outcome in ("failed", "died"):
+            raise ValueError(f"failed {msg.id} at {msg.attempt}")
+        if outcome == "snoozed":
+            raise RetryLater(0.0)
+
+    settings = {"retry_backoff": 0.01, "poll_interval": 0.05, "max_attempts": 3, "workers": 2}
+    members = [pgq.Consumer(orders, "billing", handle, name=f"m{i}", **settings) for i in (1, 2)]
+    threads = [
+        threading.Thread(target=m.run, kwargs={"until_empty": True, "wait_retries": 5.0})
+        for m in members
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads)
+
+    for mid in ids:
+        expected, attempts = [], 0
+        for outcome in calls[mid]:
+            if outcome == "done":
+                continue
+            attempts += outcome != "snoozed"
+            expected.append((len(expected) + 1, outcome, attempts, 0, 0))
+        lines = history(orders, mid).lines
+        got = [(x.n, x.event, x.attempts, x.reclaims, x.refunds) for x in lines]
+        assert got == expected, (mid, calls[mid])
+        for x in lines:
+            assert x.member in ("m1", "m2")
+            assert (x.seconds is not None) and x.seconds >= 0
+            assert (x.error_class is None) == (x.event == AttemptEvent.SNOOZED)
+    assert sorted({tuple(c) for c in calls.values()}) == sorted(
+        {
+            ("died",),
+            ("failed", "failed", "done"),
+            ("snoozed", "done"),
+            ("failed", "failed", "died"),
+            ("done",),
+        }
+    )
