@@ -455,7 +455,7 @@ class MessageHistory:
     @property
     def lines_lost(self) -> int:
         """Lines written that the ring of slots no longer holds."""
-        return max(self.lines_written - len(self.lines), 0) if self.lines else 0
+        return max(self.lines_written - len(self.lines), 0)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -590,8 +590,12 @@ def probe_failed_dead() -> Executable:
 def probe_done() -> Executable:
     """The probe on lease `:id`/`:seq` succeeded: done, its systemic charges refunded
     (the dependency works: those failures were not the message's), `refunds` +
-    `:refunded` (1 when it had charges) and its error class cleared."""
-    return (
+    `:refunded` (1 when it had charges) and its error class cleared. A refund writes
+    a line of the message's history (`refunded` by `:member` at `:close_epoch`, the
+    counters after it), like the close's reconciliation of the other rows; a probe
+    with nothing to refund is a success and writes none."""
+    refunded = bindparam("refunded", type_=Integer)
+    done = (
         update(d)
         .where(_probe_lease())
         .values(
@@ -600,11 +604,34 @@ def probe_done() -> Executable:
             reclaims=func.greatest(0, d.c.reclaims - d.c.refundable_reclaims),
             refundable_attempts=0,
             refundable_reclaims=0,
-            refunds=d.c.refunds + bindparam("refunded", type_=Integer),
+            refunds=d.c.refunds + refunded,
             error_class=None,
+            events=d.c.events + refunded,
             lease_owner=None,
             lease_expires_at=None,
             updated_at=func.now(),
         )
-        .returning(d.c.message_id)
+        .returning(d.c.message_id, d.c.events, d.c.attempts, d.c.reclaims, d.c.refunds)
+        .cte("done")
     )
+    r = done.c
+    refund = (
+        select(r.message_id, r.events, r.attempts, r.reclaims, r.refunds)
+        .where(refunded > 0)
+        .cte("refund")
+    )
+    written = history.written_by(
+        refund,
+        {
+            "event": literal(AttemptEvent.REFUNDED.value),
+            "member": bindparam("member", type_=Text),
+            "seconds": null(),
+            "error_class": null(),
+            "error": null(),
+            "epoch": bindparam("close_epoch", type_=Integer),
+            "attempts": refund.c.attempts,
+            "reclaims": refund.c.reclaims,
+            "refunds": refund.c.refunds,
+        },
+    )
+    return select(r.message_id).add_cte(written)

@@ -96,6 +96,17 @@ def lines() -> Executable:
 
 
 @cache
+def events_of() -> Executable:
+    """How many lines message `:message_id`'s row in group `:gid` has written
+    (`delivery.events`); no row once it is acked or purged."""
+    d = t.delivery
+    return select(d.c.events).where(
+        d.c.group_id == bindparam("gid", type_=Integer),
+        d.c.message_id == bindparam("message_id", type_=BigInteger),
+    )
+
+
+@cache
 def probes_of() -> Executable:
     """The group probes of group `:gid` that took message `:message_id`, oldest first."""
     p = t.probe

@@ -129,27 +129,54 @@ class BreakerStore(Claims, Outcomes):
         params = {"gid": self.gid, "at_epoch": epoch, "hold": dt.timedelta(seconds=hold)}
         return bool(conn.execute(breaker_sql.reserve_probe(), params).rowcount)
 
-    def probe_done(self, conn: Connection, row: Claimed) -> tuple[bool, int]:
-        """Write a successful group probe (refunding its systemic charges): (written,
+    def probe_done(
+        self, conn: Connection, row: Claimed, close_epoch: int | None = None
+    ) -> tuple[bool, int]:
+        """Write a successful group probe (refunding its systemic charges; the refund's
+        history line says `close_epoch`, else the epoch the probe ran under): (written,
         rows refunded: 0 or 1)."""
+        refunded = self._probe_charges(conn, row)
+        if refunded is None:
+            return False, 0  # the lease is gone
+        self._probe_done(conn, row, refunded, close_epoch)
+        return True, refunded
+
+    def _probe_charges(self, conn: Connection, row: Claimed) -> int | None:
+        """Rows the probe on `row` would refund (0 or 1), its row locked; None when the
+        lease is gone."""
         params = {"gid": self.gid, "id": row.id, "seq": row.seq, "member": self.member}
         charged = conn.execute(breaker_sql.probe_charges(), params).scalar()
-        if charged is None:
-            return False, 0  # the lease is gone
-        refunded = 1 if charged else 0
-        conn.execute(breaker_sql.probe_done(), {**params, "refunded": refunded})
+        return None if charged is None else (1 if charged else 0)
+
+    def _probe_done(
+        self, conn: Connection, row: Claimed, refunded: int, close_epoch: int | None
+    ) -> None:
+        params = {
+            "gid": self.gid,
+            "id": row.id,
+            "seq": row.seq,
+            "member": self.member,
+            "refunded": refunded,
+            "close_epoch": row.epoch if close_epoch is None else close_epoch,
+        }
+        conn.execute(breaker_sql.probe_done(), params)
         if refunded:
             add = claim_sql.add_to_total("refunded_total")
             conn.execute(add, {"gid": self.gid, "n": refunded})
-        return True, refunded
 
     def probe_succeeded(
         self, conn: Connection, row: Claimed, epoch: int
     ) -> tuple[bool, int | None]:
         """Write the successful probe and close the group at `epoch` in one transaction,
-        so the close's history row counts the probe's refund: (written, close epoch)."""
-        written, refunded = self.probe_done(conn, row)
-        return written, self.close(conn, epoch, refunded, row.id)
+        so the close's history row counts the probe's refund: (written, close epoch).
+        The close comes first (the row is locked by then), so that the refund's line
+        names the close's epoch, as the reconciliation's lines do."""
+        refunded = self._probe_charges(conn, row)
+        closed = self.close(conn, epoch, refunded or 0, row.id)
+        if refunded is None:
+            return False, closed  # the lease is gone
+        self._probe_done(conn, row, refunded, closed)
+        return True, closed
 
     def record_probe(self, conn: Connection, outcome: Outcome, max_attempts: int) -> bool:
         """Write a group probe's failure (or snooze); True when written. A systemic

@@ -68,7 +68,7 @@ SUITES: dict[str, tuple[float, list[str]]] = {
         ],
     ),
     "ordered_groups": (90, [f"{INT}/test_ordered.py"]),
-    "message_history": (45, [f"{INT}/test_history.py"]),
+    "message_history": (150, [f"{INT}/test_history.py"]),
     "idempotent_publish": (
         60,
         [

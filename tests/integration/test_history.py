@@ -9,7 +9,10 @@ lease expires by writing its expiry into the past.
 from __future__ import annotations
 
 import datetime as dt
+import threading
+import urllib.request
 
+import pytest
 from sqlalchemy import Engine, func, select, text, update
 
 import pgq
@@ -159,3 +162,143 @@ def test_retention_deletes_old_lines_and_unsubscribe_the_group_s(orders):
     pgq.unsubscribe(orders, "billing", reason="test")
     with orders.connect() as conn:
         assert conn.execute(select(func.count()).select_from(t.attempt)).scalar_one() == 0
+
+
+def test_a_successful_probe_s_refund_is_a_refunded_line(orders):
+    """The probe that closes an outage refunds the systemic charges of the row it ran
+    (its close counts it among the `refunded`): that refund is a line, like the
+    close's reconciliation of the other rows, with the counters after it. Failed
+    until `probe_done` wrote one: the page showed the charges, then `done`, and the
+    close's "refunded 1" had no line anywhere."""
+    [mid] = pgq.publish_many(orders, "orders", [{"n": 1}])
+    s = store(orders)
+    claimed = claim(orders, s)
+    set_breaker(orders, "OPEN", 1)
+    fail(orders, s, claimed, "retry", "systemic")
+    with orders.begin() as conn:  # the retry's backoff moved by hand
+        conn.execute(update(t.delivery).values(available_at=func.now()))
+    probe = run_once(orders, s.claim_probe, 1, MAX_REFUNDS, 30.0)
+    assert probe is not None and probe.id == mid
+    written, close = run_once(orders, s.probe_succeeded, probe, 1)
+    assert written and close is not None
+
+    found = history(orders, mid)
+    assert [(x.event, x.member, x.epoch, x.attempts, x.refunds) for x in found.lines] == [
+        (AttemptEvent.FAILED, "m", 0, 1, 0),
+        (AttemptEvent.REFUNDED, "m", close, 1, 1),  # the probe's own attempt, done
+    ]
+    with orders.connect() as conn:
+        events = conn.execute(select(t.delivery.c.events)).scalar_one()
+    assert events == 2
+
+
+def test_a_probe_without_charges_writes_no_line(orders):
+    """A probe that succeeds on a row with nothing to refund is a success: no line."""
+    [mid] = pgq.publish_many(orders, "orders", [{"n": 1}])
+    s = store(orders)
+    set_breaker(orders, "OPEN", 1)
+    probe = run_once(orders, s.claim_probe, 1, MAX_REFUNDS, 30.0)
+    assert probe is not None and probe.id == mid
+    written, _close = run_once(orders, s.probe_succeeded, probe, 1)
+    assert written
+    assert history(orders, mid).lines == ()
+
+
+def test_a_held_row_whose_lines_retention_took_says_they_are_gone(orders):
+    """Retention takes lines older than it even where the row is still held (a dead
+    row waits for an operator past retention): the history then counts the row's
+    lines (`delivery.events`), not the newest kept, and the page says they are
+    gone. Failed before: `lines_written` was 0 and the page said the message had
+    no failure recorded, for a row dead of its failures."""
+    [mid] = pgq.publish_many(orders, "orders", [{"n": 1}])
+    s = store(orders)
+    fail(orders, s, claim(orders, s), "dead", "permanent")
+    with orders.begin() as conn:
+        conn.execute(update(t.attempt).values(at=func.now() - text("interval '2 days'")))
+    assert run_once(orders, s.expire_history, 86400.0) == 1
+    found = history(orders, mid)
+    assert (found.lines, found.lines_written, found.lines_lost) == ((), 1, 1)
+
+    pytest.importorskip("flask")
+    from pgq.web import dashboard_server
+
+    server = dashboard_server(orders, host="127.0.0.1", port=0)
+    server.start()
+    try:
+        with urllib.request.urlopen(f"{server.url}groups/billing/messages/{mid}") as answer:
+            page = answer.read().decode()
+    finally:
+        server.close()
+    assert "the 1 oldest line of 1 no longer kept" in page
+    assert 'id="no-history"' not in page
+
+
+def test_two_members_failing_often_write_one_line_per_failure_in_order(orders):
+    """Two real members share the group; the handler fails by the message's id (a
+    permanent error, message errors then a success, a snooze then a success, message
+    errors until it dies, a success). After the drain each message's lines are
+    n = 1..k, one per failed call the handlers saw, in their order, with the
+    counters the calls imply; a success writes none."""
+    from pgq.errors import PermanentError, RetryLater
+
+    ids = pgq.publish_many(orders, "orders", [{"n": i} for i in range(40)])
+    calls: dict[int, list[str]] = {mid: [] for mid in ids}
+    lock = threading.Lock()
+
+    def handle(msg: pgq.Message) -> None:
+        with lock:
+            seen = calls[msg.id]
+            kind = msg.id % 5
+            if kind == 0:
+                outcome = "died"
+            elif kind == 1:
+                outcome = "failed" if msg.attempt <= 2 else "done"
+            elif kind == 2:
+                outcome = "snoozed" if not seen else "done"
+            elif kind == 3:
+                outcome = "died" if msg.attempt == 3 else "failed"
+            else:
+                outcome = "done"
+            seen.append(outcome)
+        if outcome == "died" and kind == 0:
+            raise PermanentError("poison")
+        if outcome in ("failed", "died"):
+            raise ValueError(f"failed {msg.id} at {msg.attempt}")
+        if outcome == "snoozed":
+            raise RetryLater(0.0)
+
+    settings = {"retry_backoff": 0.01, "poll_interval": 0.05, "max_attempts": 3, "workers": 2}
+    members = [pgq.Consumer(orders, "billing", handle, name=f"m{i}", **settings) for i in (1, 2)]
+    threads = [
+        threading.Thread(target=m.run, kwargs={"until_empty": True, "wait_retries": 5.0})
+        for m in members
+    ]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    assert not any(th.is_alive() for th in threads)
+
+    for mid in ids:
+        expected, attempts = [], 0
+        for outcome in calls[mid]:
+            if outcome == "done":
+                continue
+            attempts += outcome != "snoozed"
+            expected.append((len(expected) + 1, outcome, attempts, 0, 0))
+        lines = history(orders, mid).lines
+        got = [(x.n, x.event, x.attempts, x.reclaims, x.refunds) for x in lines]
+        assert got == expected, (mid, calls[mid])
+        for x in lines:
+            assert x.member in ("m1", "m2")
+            assert (x.seconds is not None) and x.seconds >= 0
+            assert (x.error_class is None) == (x.event == AttemptEvent.SNOOZED)
+    assert sorted({tuple(c) for c in calls.values()}) == sorted(
+        {
+            ("died",),
+            ("failed", "failed", "done"),
+            ("snoozed", "done"),
+            ("failed", "failed", "died"),
+            ("done",),
+        }
+    )

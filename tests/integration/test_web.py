@@ -75,6 +75,9 @@ MEMBER = f"evil{SCRIPT}{IMG}"
 OLD_MEMBERS = (f"old\x1b[2J{SCRIPT}", f"rtl\u202e{IMG}", "bell\x07cr\roverwritten")
 """Member names only an older version or another client could have written."""
 
+LONG_HOSTILE = f"{HOSTILE}{'x' * 2000}\u202eTAIL"
+"""A history line's error text: every hostile piece, 2000 characters, an override."""
+
 GROUP2 = f"g2\x1b[2J\u202e{SCRIPT}"
 TOPIC2 = "t2\x1b]0;owned\x07"
 """A group and topic with hostile names, written with SQL (the API refuses them)."""
@@ -621,6 +624,24 @@ def _build_hostile(engine: Engine) -> dict[str, int]:
                 group_id=gid, epoch=1, member=OLD_MEMBERS[0], message_id=mid, outcome="failed"
             )
         )
+        # a history line an older client could write: a member with controls, an
+        # error text of `LONG_ERROR` characters with a right-to-left override
+        conn.execute(
+            insert(t.attempt).values(
+                group_id=gid,
+                message_id=mid,
+                slot=1,
+                n=1,
+                event="failed",
+                member=OLD_MEMBERS[1],
+                error_class="message",
+                error=LONG_HOSTILE,
+                epoch=0,
+                attempts=1,
+                reclaims=0,
+                refunds=0,
+            )
+        )
         tid = conn.scalar(insert(t.topic).values(name=TOPIC2).returning(t.topic.c.id))
         conn.execute(insert(t.consumer_group).values(name=GROUP2, topic_id=tid))
     assert states(engine, "g")["dead"] == 1
@@ -769,6 +790,38 @@ def test_hostile_text_shows_escaped_where_it_belongs(hostile):
     overview = get(hostile.server, "/").body
     assert "g2\\x1b[2J\\u202e" + script in overview
     assert "t2\\x1b]0;owned\\x07" in overview
+
+
+@pytest.mark.slow
+def test_a_message_s_history_shows_hostile_text_escaped_and_visible(hostile):
+    """The message page's history table, probe list and breaker epochs show error
+    texts and member names escaped and made visible, whole (2000 characters and
+    the override after them); the buttons are drawn only for a logged-in admin."""
+    script = "&lt;script&gt;alert(1)&lt;/script&gt;"
+    img = "&#34;&gt;&lt;img src=x onerror=alert(1)&gt;"
+    visible_hostile = f"{script}{img}\\x1b[2J\\u202e\\x07\\x08\\x7f\\r\\n\\x9bend"
+    path = f"/groups/g/messages/{hostile.ids['dead']}"
+    page = get(hostile.server, path, Cookie=hostile.cookie).body
+    table = re.search(r'<table class="grid" id="history".*?</table>', page, re.S)
+    assert table, page[:3000]
+    rows = re.findall(r'<tr class="event-died">(.*?)</tr>', table[0], re.S)
+    assert len(rows) == 2, table[0]  # killed, requeued (no line), killed again
+    for row in rows:
+        assert f"<td>evil{script}{img}</td>" in row
+        assert f'<td class="error-text">ValueError: {visible_hostile}</td>' in row
+    assert 'id="message-requeue"' in page
+    assert 'id="message-requeue"' not in get(hostile.server, path).body  # logged out
+
+    message = get(hostile.server, f"/groups/g/messages/{hostile.ids['message']}").body
+    [row] = re.findall(r'<tr class="event-failed">(.*?)</tr>', message, re.S)
+    assert f"<td>rtl\\u202e{img}</td>" in row
+    tail = "x" * 2000 + "\\u202eTAIL"
+    assert f'<td class="error-text">{visible_hostile}{tail}</td>' in row
+    probes = re.search(r'<ul id="probes">.*?</ul>', message, re.S)
+    assert probes and f"by old\\x1b[2J{script}" in probes[0], message
+    epochs = re.search(r'<ul id="epochs">.*?</ul>', message, re.S)
+    assert epochs and f"by evil{script}{img}" in epochs[0], message
+    assert 'id="message-requeue"' not in message  # not dead
 
 
 # -- where it listens -----------------------------------------------------------------
