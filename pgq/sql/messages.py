@@ -7,6 +7,9 @@ of a `pgq.records.MessageFilter` split in two:
 - on the delivery row, cheap or indexed: the id, the state (a literal, so that
   the partial indexes of ready, leased and failed rows can serve it) and the
   error class (a key of the failed-rows index); `up_to`;
+- on the message, indexed: the dedupe key (`message_dedupe_key_idx` on
+  `(topic_id, dedupe_key)`, so the topic `:tid` is said too): at most one
+  retained message of the topic has it, so no window is needed (`EXACT`);
 - read row by row, without an index (no schema change for search): the key, a
   payload field, the error text, the publishing time, the last change.
 
@@ -38,6 +41,7 @@ from pgq.records import RowState
 
 __all__ = [
     "ERROR_SHOWN",
+    "EXACT",
     "KEYSET",
     "PAYLOAD_SHOWN",
     "UNINDEXED",
@@ -61,6 +65,10 @@ UNINDEXED = frozenset(
 )
 """The filters read row by row (see the module docstring): a page with any of them
 looks through a bounded window."""
+
+EXACT = frozenset({"message_id", "dedupe_key"})
+"""The filters that match at most one row through an index: a page with one of them
+needs no window, whatever else it has."""
 
 
 def _word(state: str) -> ColumnElement[Any]:
@@ -95,6 +103,10 @@ def message_matches(shape: frozenset[str]) -> list[ColumnElement[bool]]:
     where: list[ColumnElement[bool]] = []
     if "key" in shape:
         where.append(m.c.key == bindparam("f_key", type_=Text))
+    if "dedupe_key" in shape:  # the partial unique index's key and predicate
+        where.append(m.c.topic_id == bindparam("tid", type_=Integer))
+        where.append(m.c.dedupe_key == bindparam("f_dedupe_key", type_=Text))
+        where.append(m.c.dedupe_key.is_not(None))
     if "field" in shape:
         path = bindparam("f_path", type_=ARRAY(Text))
         where.append(m.c.payload.op("#>>")(path) == bindparam("f_value", type_=Text))

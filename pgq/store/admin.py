@@ -146,7 +146,7 @@ def requeue(
             statement = q.requeue_class()
         elif matching is not None:
             f = _dead_only(matching)
-            params.update(filter_params(f, info.id))
+            params.update(filter_params(f, info.id, info.topic_id))
             statement = q.requeue_matching(f.shape())
         elif all_dead:
             statement = q.requeue_all()
@@ -239,7 +239,8 @@ def purge(
     age = _older_than(older_than)
     with wrap_errors(), engine.connect() as conn, conn.begin():
         conn.execute(xact_lock_shared(breaker_flip_key(schema_of(conn), group)))
-        params.update(audit_names(group_info(conn, group)))
+        info = group_info(conn, group)
+        params.update(audit_names(info))
         row = conn.execute(q.check_group(), {"gid": params["gid"]}).one()
         scope = pending_scope(
             row.state, int(row.epoch), row.reconcile_epoch, row.reconcile_from_epoch
@@ -249,7 +250,7 @@ def purge(
             params["older_than"] = age
         if wanted is not None or matching is not None:
             f = _dead_only(matching or MessageFilter())
-            params.update(filter_params(f, params["gid"]), ids=wanted)
+            params.update(filter_params(f, info.id, info.topic_id), ids=wanted)
             statement = q.purge_selected(age is not None, wanted is not None, f.shape())
         elif age is None:
             statement = q.purge_dead()

@@ -112,7 +112,7 @@ def check_filter(f: MessageFilter) -> MessageFilter:
         raise UsageError(f"invalid state {f.state!r}: use one of {states}")
     if f.error_class is not None:
         check_error_class(f.error_class)
-    for name in ("key", "error", "field", "value"):
+    for name in ("key", "dedupe_key", "error", "field", "value"):
         _text(name, getattr(f, name))
     if (f.field is None) != (f.value is None):
         raise UsageError("a payload filter needs both a field and a value")
@@ -129,10 +129,13 @@ def check_filter(f: MessageFilter) -> MessageFilter:
     return f
 
 
-def filter_params(f: MessageFilter, gid: int) -> dict[str, Any]:
-    """The bind parameters of filter `f` for group `gid` (`pgq.sql.messages`)."""
+def filter_params(f: MessageFilter, gid: int, tid: int) -> dict[str, Any]:
+    """The bind parameters of filter `f` for group `gid` of topic `tid`
+    (`pgq.sql.messages`)."""
     return {
         "gid": gid,
+        "tid": tid,
+        "f_dedupe_key": f.dedupe_key,
         "f_message_id": f.message_id,
         "f_up_to": f.up_to,
         "f_changed_by": f.changed_by,
@@ -163,8 +166,9 @@ def find(
     `UnknownGroup`, and `UsageError` for a bad filter or bounds.
 
     A filter without an index (key, payload field, error text, publishing time)
-    looks through at most `scan` rows past the keyset; a page that ends there
-    without filling up says so (`searched_to`), and `more` is then true.
+    and without an exact one (the id, the dedupe key) looks through at most
+    `scan` rows past the keyset; a page that ends there without filling up says
+    so (`searched_to`), and `more` is then true.
     """
     f = check_filter(f or MessageFilter())
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
@@ -181,10 +185,10 @@ def find(
         shape.add("before")
     with snapshot(engine) as conn:
         info = group_info(conn, group)
-        params = filter_params(f, info.id)
+        params = filter_params(f, info.id, info.topic_id)
         params.update(after=after, before=before, limit=limit + 1, scan=scan)
         bound = None
-        if shape & q.UNINDEXED and "message_id" not in shape:
+        if shape & q.UNINDEXED and not shape & q.EXACT:
             ends = conn.execute(q.window_end(frozenset(shape), descending), params).scalars()
             bound = next(iter(ends.all()[:-1]), None)  # only while rows are past it
             if bound is not None:
@@ -222,7 +226,8 @@ def fix_matching(engine: Engine, group: str, f: MessageFilter) -> tuple[int, Mes
     `UsageError` for a bad filter."""
     check_filter(f)
     with snapshot(engine) as conn:
-        params = filter_params(f, group_info(conn, group).id)
+        info = group_info(conn, group)
+        params = filter_params(f, info.id, info.topic_id)
         row = conn.execute(q.count_matching(f.shape()), params).one()
     if row.up_to is None:
         return int(row.n), None
