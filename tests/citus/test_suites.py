@@ -11,7 +11,8 @@ fails with the tail of the child's output; skipped without `PGQ_CITUS_DSN`.
 The selection is of tests about behaviour a user relies on (publish and subscribe,
 draining exactly once, out-of-order commits, a `kill -9` and its reclaim, an outage
 of three members, reconciliation, retention, removing a group or a topic and the
-audit trail, the history checker), not about single-server internals (plans,
+audit trail, the dashboard's messages page and its bulk actions, the history
+checker), not about single-server internals (plans,
 `pg_stat_*`, the embedded server, roles). Left out on purpose: the `test_races.py`
 tests that wait for a backend's `Lock` wait in `pg_stat_activity` (on Citus today
 the topic row lock is taken on a worker's shard of the reference table, so the
@@ -127,6 +128,14 @@ SUITES: dict[str, tuple[float, list[str]]] = {
             f"{INT}/test_lifecycle.py",
             f"{INT}/test_audit_trail.py::test_a_requeue_or_purge_that_matched_nothing_writes_no_audit_row",
             f"{INT}/test_audit_trail.py::test_audit_never_crashes_on_what_the_table_holds",
+        ],
+    ),
+    "messages_page": (
+        150,
+        [
+            f"{INT}/test_message_search.py",
+            f"{INT}/test_web_browse.py",
+            f"{INT}/test_attack_web_messages.py",
         ],
     ),
     "history": (HISTORY_SECONDS + 90, ["tests/chaos/test_topics.py"]),
