@@ -30,7 +30,7 @@ from pgq.store.errors import wrap_errors
 from pgq.store.inspect import snapshot
 from pgq.store.messages import MAX_MESSAGE_ID as MAX_MESSAGE_ID
 from pgq.store.messages import check_error_class as check_error_class
-from pgq.store.messages import check_filter, filter_params
+from pgq.store.messages import check_filter, filter_params, message_side_as_ids
 from pgq.store.messages import check_message_id as check_message_id
 from pgq.store.placement import distributed
 from pgq.store.topics import group_info
@@ -147,7 +147,7 @@ def requeue(
         elif matching is not None:
             f = _dead_only(matching)
             params.update(filter_params(f, info.id, info.topic_id))
-            statement = q.requeue_matching(f.shape())
+            statement = q.requeue_matching(message_side_as_ids(conn, f.shape(), params))
         elif all_dead:
             statement = q.requeue_all()
         else:
@@ -251,7 +251,8 @@ def purge(
         if wanted is not None or matching is not None:
             f = _dead_only(matching or MessageFilter())
             params.update(filter_params(f, info.id, info.topic_id), ids=wanted)
-            statement = q.purge_selected(age is not None, wanted is not None, f.shape())
+            shape = message_side_as_ids(conn, f.shape(), params)
+            statement = q.purge_selected(age is not None, wanted is not None, shape)
         elif age is None:
             statement = q.purge_dead()
         else:
