@@ -275,7 +275,9 @@ class MessageFilter:
     the bulk requeue and purge of "every dead row that matches"). Every field left
     None matches everything; the ones given must all match.
 
-    `error` is a case-insensitive part of the last error text; `field` a payload
+    `key` and `dedupe_key` match the message's key and dedupe key exactly (the
+    latter through `message_dedupe_key_idx`: at most one retained message of the
+    topic has it); `error` is a case-insensitive part of the last error text; `field` a payload
     path (`customer.id`: keys separated by dots) whose value, as text, is `value`
     (`{"n": 1}` matches `n` = `1`); `published_from` (inclusive) and
     `published_to` (exclusive) bound the message's `created_at`; `up_to` is the
@@ -287,6 +289,7 @@ class MessageFilter:
 
     message_id: int | None = None
     key: str | None = None
+    dedupe_key: str | None = None
     state: str | None = None
     error_class: str | None = None
     error: str | None = None

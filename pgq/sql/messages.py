@@ -7,6 +7,9 @@ of a `pgq.records.MessageFilter` split in two:
 - on the delivery row, cheap or indexed: the id, the state (a literal, so that
   the partial indexes of ready, leased and failed rows can serve it) and the
   error class (a key of the failed-rows index); `up_to`;
+- on the message, indexed: the dedupe key (`message_dedupe_key_idx` on
+  `(topic_id, dedupe_key)`, so the topic `:tid` is said too): at most one
+  retained message of the topic has it, so no window is needed (`EXACT`);
 - read row by row, without an index (no schema change for search): the key, a
   payload field, the error text, the publishing time, the last change.
 
@@ -17,6 +20,14 @@ id `:scan` rows on (by the first kind's filters alone, an index-only walk), and
 the page looks only up to there; the page then says how far it searched, and
 the next one continues from there. Measured on 1,000,000 rows in
 `docs/benchmarks.md` ("Issue 23").
+
+On Citus `message` (by topic) and `delivery` (by group) are not co-located, and
+a join of the two is a repartition join, which Citus refuses. There the store
+reads the message side first, in one statement on the topic's shard
+(`matching_ids`), and gives the ids to the delivery side as `:f_ids` (shape
+`IN_IDS` instead of the message-side fields): a page is then `page_rows` on the
+group's shard and `bodies` on the topic's; a count, a requeue and a purge read
+`delivery` alone.
 
 Every statement is built once per filter shape and direction (`functools.cache`);
 the values are bind parameters named `f_<field>` (`f_path` for the payload
@@ -29,7 +40,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from sqlalchemy import BigInteger, Integer, Text, bindparam, func, literal_column, select
+from sqlalchemy import BigInteger, Integer, Text, any_, bindparam, func, literal_column, select
 from sqlalchemy.dialects.postgresql import ARRAY, TIMESTAMP
 from sqlalchemy.sql import ColumnElement, Executable, Select
 
@@ -38,13 +49,19 @@ from pgq.records import RowState
 
 __all__ = [
     "ERROR_SHOWN",
+    "EXACT",
+    "IN_IDS",
     "KEYSET",
+    "MESSAGE_SIDE",
     "PAYLOAD_SHOWN",
     "UNINDEXED",
+    "bodies",
     "count_matching",
     "delivery_matches",
+    "matching_ids",
     "message_matches",
     "page",
+    "page_rows",
     "window_end",
 ]
 
@@ -62,6 +79,16 @@ UNINDEXED = frozenset(
 """The filters read row by row (see the module docstring): a page with any of them
 looks through a bounded window."""
 
+MESSAGE_SIDE = frozenset({"key", "dedupe_key", "field", "value", "published_from", "published_to"})
+"""The filters on `message` (`message_matches`)."""
+
+IN_IDS = "message_in"
+"""The shape word of a filter whose message side is given as the ids `:f_ids`."""
+
+EXACT = frozenset({"message_id", "dedupe_key"})
+"""The filters that match at most one row through an index: a page with one of them
+needs no window, whatever else it has."""
+
 
 def _word(state: str) -> ColumnElement[Any]:
     return literal_column(f"'{RowState(state).value}'", Text)
@@ -74,6 +101,8 @@ def delivery_matches(shape: frozenset[str]) -> list[ColumnElement[bool]]:
         where.append(d.c.message_id == bindparam("f_message_id", type_=BigInteger))
     if "up_to" in shape:
         where.append(d.c.message_id <= bindparam("f_up_to", type_=BigInteger))
+    if IN_IDS in shape:
+        where.append(d.c.message_id == any_(bindparam("f_ids", type_=ARRAY(BigInteger))))
     for word in RowState:
         if f"state={word.value}" in shape:
             where.append(d.c.state == _word(word.value))
@@ -95,6 +124,10 @@ def message_matches(shape: frozenset[str]) -> list[ColumnElement[bool]]:
     where: list[ColumnElement[bool]] = []
     if "key" in shape:
         where.append(m.c.key == bindparam("f_key", type_=Text))
+    if "dedupe_key" in shape:  # the partial unique index's key and predicate
+        where.append(m.c.topic_id == bindparam("tid", type_=Integer))
+        where.append(m.c.dedupe_key == bindparam("f_dedupe_key", type_=Text))
+        where.append(m.c.dedupe_key.is_not(None))
     if "field" in shape:
         path = bindparam("f_path", type_=ARRAY(Text))
         where.append(m.c.payload.op("#>>")(path) == bindparam("f_value", type_=Text))
@@ -168,13 +201,8 @@ PAGE_COLUMNS = (
 """What `page` returns, in order (the store maps its rows by these names)."""
 
 
-@cache
-def page(shape: frozenset[str], descending: bool) -> Select[Any]:
-    """Up to `:limit` delivery rows of group `:gid` that match a filter of `shape`,
-    in message id order (`descending`: newest first), within the keyset bounds in
-    `shape` (`KEYSET`; `:bound` is `window_end`'s), with their message's key,
-    publishing time and the start of its payload (`PAGE_COLUMNS`)."""
-    columns = [
+def _row_columns() -> list[ColumnElement[Any]]:
+    return [
         d.c.message_id,
         d.c.state,
         d.c.attempts,
@@ -185,6 +213,17 @@ def page(shape: frozenset[str], descending: bool) -> Select[Any]:
         d.c.available_at,
         d.c.updated_at,
         d.c.lease_owner,
+    ]
+
+
+@cache
+def page(shape: frozenset[str], descending: bool) -> Select[Any]:
+    """Up to `:limit` delivery rows of group `:gid` that match a filter of `shape`,
+    in message id order (`descending`: newest first), within the keyset bounds in
+    `shape` (`KEYSET`; `:bound` is `window_end`'s), with their message's key,
+    publishing time and the start of its payload (`PAGE_COLUMNS`)."""
+    columns = [
+        *_row_columns(),
         m.c.key,
         m.c.created_at,
         func.left(func.cast(m.c.payload, Text), PAYLOAD_SHOWN).label("payload"),
@@ -212,12 +251,75 @@ def count_matching(shape: frozenset[str]) -> Executable:
     """How many delivery rows of group `:gid` match a filter of `shape`, the highest
     id and the latest `updated_at` among them (a bulk action's confirmation shows
     the one and fixes the others as the filter's `up_to` and `changed_by`)."""
+    counted = select(
+        func.count().label("n"),
+        func.max(d.c.message_id).label("up_to"),
+        func.max(d.c.updated_at).label("changed_by"),
+    )
+    on_message = message_matches(shape)
+    if on_message:
+        counted = counted.select_from(d.join(m, m.c.id == d.c.message_id))
+    return counted.where(*delivery_matches(shape), *on_message)
+
+
+@cache
+def matching_ids(shape: frozenset[str], descending: bool) -> Select[Any]:
+    """The ids of topic `:tid`'s messages that match the message side of a filter
+    of `shape`, within its id bounds (`f_message_id`, `f_up_to`, and the keyset's
+    `KEYSET` as `page` reads them), in list order. On Citus one task on the topic's
+    shard of `message` (the first read of a page, a count or a bulk change there)."""
     return (
-        select(
-            func.count().label("n"),
-            func.max(d.c.message_id).label("up_to"),
-            func.max(d.c.updated_at).label("changed_by"),
+        select(m.c.id)
+        .where(
+            m.c.topic_id == bindparam("tid", type_=Integer),
+            *message_matches(shape),
+            *(
+                [m.c.id == bindparam("f_message_id", type_=BigInteger)]
+                if "message_id" in shape
+                else []
+            ),
+            *([m.c.id <= bindparam("f_up_to", type_=BigInteger)] if "up_to" in shape else []),
+            *_bounds(shape, descending, m.c.id),
         )
-        .select_from(d.join(m, m.c.id == d.c.message_id))
-        .where(*delivery_matches(shape), *message_matches(shape))
+        .order_by(m.c.id.desc() if descending else m.c.id.asc())
+    )
+
+
+ROW_COLUMNS = PAGE_COLUMNS[:10]
+"""What `page_rows` returns: `PAGE_COLUMNS` without the message's own."""
+
+BODY_COLUMNS = ("id", *PAGE_COLUMNS[10:])
+"""What `bodies` returns: the message id and the rest of `PAGE_COLUMNS`."""
+
+
+@cache
+def page_rows(shape: frozenset[str], descending: bool) -> Select[Any]:
+    """`page` without the message's columns and without the join: the delivery side
+    of a page (on Citus one task on the group's shard; the message side comes as
+    `:f_ids`, shape `IN_IDS`)."""
+    columns = _row_columns()
+    assert tuple(c.key for c in columns) == ROW_COLUMNS
+    assert not shape & MESSAGE_SIDE, shape
+    return (
+        select(*columns)
+        .where(*delivery_matches(shape), *_bounds(shape, descending))
+        .order_by(_order(descending))
+        .limit(bindparam("limit", type_=Integer))
+    )
+
+
+@cache
+def bodies() -> Select[Any]:
+    """The key, publishing time and start of the payload of topic `:tid`'s messages
+    `:ids` (`BODY_COLUMNS`): a page's second read on Citus, on the topic's shard."""
+    columns = [
+        m.c.id,
+        m.c.key,
+        m.c.created_at,
+        func.left(func.cast(m.c.payload, Text), PAYLOAD_SHOWN).label("payload"),
+    ]
+    assert tuple(c.key for c in columns) == BODY_COLUMNS
+    return select(*columns).where(
+        m.c.topic_id == bindparam("tid", type_=Integer),
+        m.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger))),
     )

@@ -30,7 +30,7 @@ from pgq.store.errors import wrap_errors
 from pgq.store.inspect import snapshot
 from pgq.store.messages import MAX_MESSAGE_ID as MAX_MESSAGE_ID
 from pgq.store.messages import check_error_class as check_error_class
-from pgq.store.messages import check_filter, filter_params
+from pgq.store.messages import check_filter, filter_params, message_side_as_ids
 from pgq.store.messages import check_message_id as check_message_id
 from pgq.store.placement import distributed
 from pgq.store.topics import group_info
@@ -146,8 +146,8 @@ def requeue(
             statement = q.requeue_class()
         elif matching is not None:
             f = _dead_only(matching)
-            params.update(filter_params(f, info.id))
-            statement = q.requeue_matching(f.shape())
+            params.update(filter_params(f, info.id, info.topic_id))
+            statement = q.requeue_matching(message_side_as_ids(conn, f.shape(), params))
         elif all_dead:
             statement = q.requeue_all()
         else:
@@ -239,7 +239,8 @@ def purge(
     age = _older_than(older_than)
     with wrap_errors(), engine.connect() as conn, conn.begin():
         conn.execute(xact_lock_shared(breaker_flip_key(schema_of(conn), group)))
-        params.update(audit_names(group_info(conn, group)))
+        info = group_info(conn, group)
+        params.update(audit_names(info))
         row = conn.execute(q.check_group(), {"gid": params["gid"]}).one()
         scope = pending_scope(
             row.state, int(row.epoch), row.reconcile_epoch, row.reconcile_from_epoch
@@ -249,8 +250,9 @@ def purge(
             params["older_than"] = age
         if wanted is not None or matching is not None:
             f = _dead_only(matching or MessageFilter())
-            params.update(filter_params(f, params["gid"]), ids=wanted)
-            statement = q.purge_selected(age is not None, wanted is not None, f.shape())
+            params.update(filter_params(f, info.id, info.topic_id), ids=wanted)
+            shape = message_side_as_ids(conn, f.shape(), params)
+            statement = q.purge_selected(age is not None, wanted is not None, shape)
         elif age is None:
             statement = q.purge_dead()
         else:

@@ -5,7 +5,9 @@
 bounded search window is explained); `count_matching` counts the rows a bulk
 action would touch, and `fix_matching` also bounds the filter to them.
 `check_filter` validates a filter at this boundary, so a bad value is a
-`UsageError` (a 400 on the page), never a database error.
+`UsageError` (a 400 on the page), never a database error. On Citus the
+message side of a filter is read first, as ids (`message_side_as_ids`): the
+two tables live on different shards.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import datetime as dt
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, Row
 
 from pgq.errors import UsageError
 from pgq.read_models import MessagePage, MessageSummary
@@ -23,6 +25,7 @@ from pgq.schema import ERROR_CLASSES
 from pgq.sql import admin as admin_sql
 from pgq.sql import messages as q
 from pgq.store.inspect import snapshot
+from pgq.store.placement import distributed
 from pgq.store.topics import group_info
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "filter_params",
     "find",
     "fix_matching",
+    "message_side_as_ids",
 ]
 
 MAX_MESSAGE_ID = 2**63 - 1
@@ -112,7 +116,7 @@ def check_filter(f: MessageFilter) -> MessageFilter:
         raise UsageError(f"invalid state {f.state!r}: use one of {states}")
     if f.error_class is not None:
         check_error_class(f.error_class)
-    for name in ("key", "error", "field", "value"):
+    for name in ("key", "dedupe_key", "error", "field", "value"):
         _text(name, getattr(f, name))
     if (f.field is None) != (f.value is None):
         raise UsageError("a payload filter needs both a field and a value")
@@ -129,10 +133,13 @@ def check_filter(f: MessageFilter) -> MessageFilter:
     return f
 
 
-def filter_params(f: MessageFilter, gid: int) -> dict[str, Any]:
-    """The bind parameters of filter `f` for group `gid` (`pgq.sql.messages`)."""
+def filter_params(f: MessageFilter, gid: int, tid: int) -> dict[str, Any]:
+    """The bind parameters of filter `f` for group `gid` of topic `tid`
+    (`pgq.sql.messages`)."""
     return {
         "gid": gid,
+        "tid": tid,
+        "f_dedupe_key": f.dedupe_key,
         "f_message_id": f.message_id,
         "f_up_to": f.up_to,
         "f_changed_by": f.changed_by,
@@ -163,8 +170,9 @@ def find(
     `UnknownGroup`, and `UsageError` for a bad filter or bounds.
 
     A filter without an index (key, payload field, error text, publishing time)
-    looks through at most `scan` rows past the keyset; a page that ends there
-    without filling up says so (`searched_to`), and `more` is then true.
+    and without an exact one (the id, the dedupe key) looks through at most
+    `scan` rows past the keyset; a page that ends there without filling up says
+    so (`searched_to`), and `more` is then true.
     """
     f = check_filter(f or MessageFilter())
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_PAGE:
@@ -181,18 +189,18 @@ def find(
         shape.add("before")
     with snapshot(engine) as conn:
         info = group_info(conn, group)
-        params = filter_params(f, info.id)
+        params = filter_params(f, info.id, info.topic_id)
         params.update(after=after, before=before, limit=limit + 1, scan=scan)
         bound = None
-        if shape & q.UNINDEXED and "message_id" not in shape:
+        if shape & q.UNINDEXED and not shape & q.EXACT:
             ends = conn.execute(q.window_end(frozenset(shape), descending), params).scalars()
             bound = next(iter(ends.all()[:-1]), None)  # only while rows are past it
             if bound is not None:
                 shape.add("bound")
                 params["bound"] = bound
-        rows = conn.execute(q.page(frozenset(shape), descending), params).all()
+        rows = _page(conn, frozenset(shape), descending, params)
         now = _now(conn)
-    summaries = tuple(MessageSummary(**r._mapping) for r in rows[:limit])
+    summaries = tuple(MessageSummary(**r) for r in rows[:limit])
     full = len(rows) > limit
     searched_to = bound if bound is not None and not full else None
     return MessagePage(
@@ -204,6 +212,40 @@ def find(
         searched_to=searched_to,
         now=now,
     )
+
+
+def message_side_as_ids(
+    conn: Connection, shape: frozenset[str], params: dict[str, Any], descending: bool = False
+) -> frozenset[str]:
+    """`shape` as the statements on `delivery` alone take it on Citus: its
+    message-side filters read first, as the ids `:f_ids` of the topic's messages
+    that match (set in `params`), in one statement on the topic's shard. On one
+    server, or without such a filter, `shape` as it is (a join does it there)."""
+    if not shape & q.MESSAGE_SIDE or not distributed(conn):
+        return shape
+    params["f_ids"] = list(conn.execute(q.matching_ids(shape, descending), params).scalars())
+    return (shape - q.MESSAGE_SIDE) | {q.IN_IDS}
+
+
+def _page(
+    conn: Connection, shape: frozenset[str], descending: bool, params: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The rows of a page (`q.PAGE_COLUMNS`): one statement on one server; on Citus
+    the message side's ids, the delivery rows, then their messages' columns."""
+    if not distributed(conn):
+        return [dict(r._mapping) for r in conn.execute(q.page(shape, descending), params)]
+    shape = message_side_as_ids(conn, shape, params, descending)
+    rows = conn.execute(q.page_rows(shape, descending), params).all()
+    ids = [r.message_id for r in rows]
+    found = conn.execute(q.bodies(), {"tid": params["tid"], "ids": ids})
+    bodies: dict[int, Row[Any]] = {b.id: b for b in found}
+    # a row's message is retained while the row is there (retention deletes only
+    # what every group finished): a row without one is left out, never half shown
+    return [
+        {**r._mapping, **{k: getattr(bodies[r.message_id], k) for k in q.BODY_COLUMNS[1:]}}
+        for r in rows
+        if r.message_id in bodies
+    ]
 
 
 def count_matching(engine: Engine, group: str, f: MessageFilter) -> tuple[int, int | None]:
@@ -222,8 +264,10 @@ def fix_matching(engine: Engine, group: str, f: MessageFilter) -> tuple[int, Mes
     `UsageError` for a bad filter."""
     check_filter(f)
     with snapshot(engine) as conn:
-        params = filter_params(f, group_info(conn, group).id)
-        row = conn.execute(q.count_matching(f.shape()), params).one()
+        info = group_info(conn, group)
+        params = filter_params(f, info.id, info.topic_id)
+        shape = message_side_as_ids(conn, f.shape(), params)
+        row = conn.execute(q.count_matching(shape), params).one()
     if row.up_to is None:
         return int(row.n), None
     return int(row.n), replace(f, up_to=int(row.up_to), changed_by=row.changed_by)

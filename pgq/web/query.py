@@ -1,8 +1,9 @@
 """The messages page's URL: its filters and where the page starts, read and written.
 
 Everything that chooses what the page shows is in the query string, so a link
-can be shared: `id`, `key`, `state`, `class`, `error` (part of the error text),
-`field` and `value` (a payload field's value), `from` and `to` (publishing time,
+can be shared: `id`, `key`, `dedupe` (the dedupe key), `state`, `class`,
+`error` (part of the error text), `field` and `value` (a payload field's
+value), `from` and `to` (publishing time,
 ISO 8601; without an offset it is UTC, as `<input type="datetime-local">` sends
 it), `order` (`asc`, the default, or `desc`), `limit`, and one of `next` (the
 page that follows that message id in the list's order) or `prev` (the page
@@ -26,6 +27,7 @@ PAGE_SIZES = (25, 50, 100, 200, 500)
 FILTER_ARGS = {
     "id": "message_id",
     "key": "key",
+    "dedupe": "dedupe_key",
     "state": "state",
     "class": "error_class",
     "error": "error",

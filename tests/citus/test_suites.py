@@ -11,7 +11,8 @@ fails with the tail of the child's output; skipped without `PGQ_CITUS_DSN`.
 The selection is of tests about behaviour a user relies on (publish and subscribe,
 draining exactly once, out-of-order commits, a `kill -9` and its reclaim, an outage
 of three members, reconciliation, retention, removing a group or a topic and the
-audit trail, the history checker), not about single-server internals (plans,
+audit trail, the dashboard's messages page and its bulk actions, the history
+checker), not about single-server internals (plans,
 `pg_stat_*`, the embedded server, roles). Left out on purpose: the `test_races.py`
 tests that wait for a backend's `Lock` wait in `pg_stat_activity` (on Citus today
 the topic row lock is taken on a worker's shard of the reference table, so the
@@ -55,6 +56,7 @@ pytestmark = [
 ]
 
 INT, ACC = "tests/integration", "tests/acceptance"
+FIND, WEB = f"{INT}/test_message_search.py", f"{INT}/test_attack_web_messages.py"
 
 SUITES: dict[str, tuple[float, list[str]]] = {
     # name: (seconds the child may take, node ids); one server runs all of them in ~110 s
@@ -128,6 +130,25 @@ SUITES: dict[str, tuple[float, list[str]]] = {
             f"{INT}/test_lifecycle.py",
             f"{INT}/test_audit_trail.py::test_a_requeue_or_purge_that_matched_nothing_writes_no_audit_row",
             f"{INT}/test_audit_trail.py::test_audit_never_crashes_on_what_the_table_holds",
+        ],
+    ),
+    "messages_page": (
+        150,
+        [
+            f"{FIND}::test_each_filter_finds_exactly_its_rows",
+            f"{FIND}::test_published_time_range",
+            f"{FIND}::test_keyset_pages_both_ways_cover_every_row_once",
+            f"{FIND}::test_an_unindexed_filter_searches_a_bounded_window_and_says_where_it_stopped",
+            f"{FIND}::test_requeue_and_purge_of_what_a_filter_matches_are_audited_as_ever",
+            f"{FIND}::test_a_dedupe_key_finds_its_one_message_exactly_and_without_a_window",
+            f"{INT}/test_web_browse.py::test_a_bulk_requeue_of_a_filter_is_confirmed_with_its_count_and_audited_by_name",
+            f"{INT}/test_web_browse.py::test_a_bulk_purge_of_the_rows_ticked",
+            f"{WEB}::test_the_previous_page_of_an_empty_search_window_shows_the_row_before_it",
+            f"{WEB}::test_a_row_that_dies_after_the_confirmation_is_left_alone",
+            f"{WEB}::test_a_selection_changes_only_its_own_groups_dead_rows_once",
+            f"{WEB}::test_a_bulk_requeue_while_a_consumer_drains_the_group_loses_and_doubles_nothing",
+            f"{WEB}::test_hostile_text_on_the_confirmation_and_in_the_filter_round_trip",
+            f"{WEB}::test_a_hostile_dedupe_key_is_shown_visible_carried_exactly_and_requeued",
         ],
     ),
     "history": (HISTORY_SECONDS + 90, ["tests/chaos/test_topics.py"]),

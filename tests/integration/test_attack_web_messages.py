@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("flask")
 
 import test_web
-from helpers import kill, set_rows, states, wait_until
+from helpers import kill, rows, set_rows, states, wait_until
 from sqlalchemy import Engine
 from test_web import TOKEN, get, login, origin, post
 
@@ -44,7 +44,22 @@ def hidden(page: str, form_id: str) -> dict[str, str]:
     form = re.search(rf'<form[^>]*id="{form_id}".*?</form>', page, re.S)
     assert form, page[:3000]
     found = re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', form[0])
-    return {name: html.unescape(value) for name, value in found}
+    return {name: browser_unescape(value) for name, value in found}
+
+
+def browser_unescape(value: str) -> str:
+    """`value`'s character references decoded as a browser does: `html.unescape`
+    drops a reference to a C0 control or DEL (`&#27;`), a browser keeps it."""
+    controls = re.sub(
+        r"&#(x[0-9a-fA-F]+|[0-9]+);",
+        lambda m: (
+            chr(n)
+            if (n := int(m[1][1:], 16) if m[1][0] == "x" else int(m[1])) < 32 or n == 127
+            else m[0]
+        ),
+        value,
+    )
+    return html.unescape(controls)
 
 
 def shown(page: str) -> list[int]:
@@ -455,6 +470,39 @@ def test_hostile_text_on_the_confirmation_and_in_the_filter_round_trip(engine, s
     assert (audit["count"], audit["reason"]) == (3, SCRIPT)
     after = get(server, done.header("Location"))
     assert "<script>alert" not in after.body and "purged 3" in after.body
+
+
+def test_a_hostile_dedupe_key_is_shown_visible_carried_exactly_and_requeued(engine, serve):
+    """A dedupe key holding markup, an attribute break-out and control characters:
+    no markup and no raw control character on the page (the input shows it made
+    visible), the bulk form's hidden field carries it exactly, and the
+    confirmation counts and the requeue changes exactly its one row."""
+    group(engine)
+    hostile = f"{SCRIPT}{ATTR}\x1b[2J\tacct\u202e"
+    mine = pgq.publish(engine, "t", {"i": 1}, dedupe_key=hostile)
+    lookalike = pgq.publish(engine, "t", {"i": 2}, dedupe_key=hostile.replace("\t", "\\t"))
+    kill(engine, [mine, lookalike], "message")
+    server = serve(token=TOKEN)
+    cookie = login(server)
+    page = get(server, query(state="dead", dedupe=hostile), Cookie=cookie)
+    assert page.status == 200 and shown(page.body) == [mine]
+    assert "<script>alert" not in page.body and 'onfocus="' not in page.body
+    assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f\u202e]", page.body)
+    field = re.search(r'<input name="dedupe" value="([^"]*)">', page.body)
+    assert field and "\\x1b[2J" in html.unescape(field[1]), page.body[:3000]
+    assert hidden(page.body, "bulk-form")["dedupe"] == hostile
+    confirm = _confirm(server, cookie, page.body, "filter", "requeue")
+    assert "<script>alert" not in confirm and "\x1b" not in confirm
+    assert re.search(r'id="count"><strong>1</strong>', confirm), confirm
+    back = hidden(confirm, "confirm-form")
+    assert back["dedupe"] == hostile
+    same = {"Cookie": cookie, "Origin": origin(server)}
+    done = post(server, "/groups/g/requeue", {**back, "reason": "fixed"}, **same)
+    assert done.status == 303, done.body[:2000]
+    [audit] = monitor.audit(engine, "g")
+    assert audit["message_ids"] == [mine]
+    now = {m: r.state for m, r in rows(engine, "g").items()}
+    assert (now[mine], now[lookalike]) == ("ready", "dead")
 
 
 def test_hostile_topics_page_arguments(engine, board, serve):

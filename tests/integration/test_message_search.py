@@ -182,3 +182,43 @@ def test_requeue_and_purge_of_what_a_filter_matches_are_audited_as_ever(engine, 
         admin.requeue(engine, "g", [rows[17]], matching=timeouts, reason="x")
     with pytest.raises(UsageError, match="give the message ids"):
         admin.purge(engine, "g", ids=[], reason="x")
+
+
+def test_a_dedupe_key_finds_its_one_message_exactly_and_without_a_window(engine, rows):
+    """The dedupe key matches exactly (no pattern, no case folding), only in the
+    group's topic, and through its index: no search window, whatever the scan."""
+    from pgq.store import admin
+
+    pgq.create_topic(engine, "other")
+    pgq.subscribe(engine, "h", "other")
+    twin = pgq.publish(engine, "other", {"n": -1}, dedupe_key="order-42")
+    mine = pgq.publish(engine, "t", {"n": 30}, key="k0", dedupe_key="order-42")
+    near = pgq.publish(engine, "t", {"n": 31}, dedupe_key="order-4_")
+    assert twin != mine
+    found = find(engine, "g", MessageFilter(dedupe_key="order-42"), scan=1)
+    assert ids_of(found) == [mine] and not found.more and found.searched_to is None
+    assert ids_of(find(engine, "g", MessageFilter(dedupe_key="order-4_"), scan=1)) == [near]
+    for missing in ("order-4%", "ORDER-42", "order-4", "order-42 "):
+        assert ids_of(find(engine, "g", MessageFilter(dedupe_key=missing))) == []
+    # beside a filter that has no index, still one exact answer
+    keyed = MessageFilter(dedupe_key="order-42", key="k0", field="n", value="30")
+    assert ids_of(find(engine, "g", keyed, scan=1)) == [mine]
+    assert ids_of(find(engine, "g", replace(keyed, key="k1"), scan=1)) == []
+    assert ids_of(find(engine, "h", MessageFilter(dedupe_key="order-42"))) == [twin]
+    # a bulk requeue and purge of a dedupe-key filter touch that row only
+    kill(engine, [mine, near], "message")
+    dead = MessageFilter(dedupe_key="order-42", state="dead")
+    assert count_matching(engine, "g", dead) == (1, mine)
+    done = admin.requeue(engine, "g", all_dead=True, matching=dead, reason="re")
+    assert done.count == 1
+    [row] = find(engine, "g", MessageFilter(dedupe_key="order-42")).rows
+    assert row.state == "ready"
+    kill(engine, [mine], "message")
+    gone = admin.purge(engine, "g", matching=MessageFilter(dedupe_key="order-4_"), reason="x")
+    assert gone.count == 1
+    assert ids_of(find(engine, "g", MessageFilter(state="dead"), limit=100)) == [
+        *rows[10:20],
+        mine,
+    ]
+    with pytest.raises(UsageError, match="dedupe_key filter"):
+        find(engine, "g", MessageFilter(dedupe_key="a\x00b"))

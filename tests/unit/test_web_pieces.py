@@ -331,6 +331,7 @@ def test_a_filter_goes_to_the_url_and_back_unchanged():
     f = MessageFilter(
         message_id=7,
         key="k 1",
+        dedupe_key=" order 42\t ",
         state="dead",
         error_class="systemic",
         error="502",
@@ -346,6 +347,18 @@ def test_a_filter_goes_to_the_url_and_back_unchanged():
     # a datetime-local value has no offset: it is UTC
     naive = parse_filter({"from": "2026-01-31T14:05"}).published_from
     assert naive == dt.datetime(2026, 1, 31, 14, 5, tzinfo=dt.timezone.utc)
+
+
+def test_the_dedupe_key_is_read_as_it_is_from_its_own_argument():
+    from pgq.records import MessageFilter
+    from pgq.web.query import filter_args, parse_filter
+
+    # literal, like the key: not stripped, no pattern characters
+    f = parse_filter({"dedupe": " a%_b\\ ", "key": "k"})
+    assert f == MessageFilter(key="k", dedupe_key=" a%_b\\ ")
+    assert filter_args(f) == {"key": "k", "dedupe": " a%_b\\ "}
+    assert "dedupe_key" in f.shape()
+    assert parse_filter({"dedupe": ""}) == MessageFilter()
 
 
 @pytest.mark.parametrize(
