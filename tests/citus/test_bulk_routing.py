@@ -21,10 +21,9 @@ from dataclasses import replace
 
 import psycopg
 import pytest
-from helpers import CITUS_DSN, citus_marks, kill, rows
+from helpers import CITUS_DSN, STRICT_CITUS_DSN, citus_marks, kill, rows
 from psycopg import sql
 from sqlalchemy import Engine, text
-from test_ordered_routing import STRICT, with_options
 
 import pgq
 from pgq import monitor
@@ -45,7 +44,7 @@ def cluster() -> Iterator[tuple[Engine, Engine, list[int]]]:
     strict one on the same schema, and the ids."""
     schema = f"pgq_bulk_{os.getpid()}_{uuid.uuid4().hex[:6]}"
     engine = pgq.connect(CITUS_DSN, schema=schema, pool_size=2)
-    strict = pgq.connect(with_options(CITUS_DSN, STRICT), schema=schema, pool_size=2)
+    strict = pgq.connect(STRICT_CITUS_DSN, schema=schema, pool_size=2)
     try:
         pgq.migrate(engine, distributed=True)
         pgq.create_topic(engine, "t")
