@@ -17,6 +17,7 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     Column,
+    Float,
     ForeignKey,
     Identity,
     Index,
@@ -342,6 +343,27 @@ probe = Table(
 )
 # the newest probes of a group, and retention's oldest ones
 Index("probe_at_idx", probe.c.group_id, probe.c.at)
+
+group_sample = Table(
+    "group_sample",
+    metadata,
+    Column("group_id", Integer, nullable=False),
+    # the start of the minute the sample is of (the database clock): one row per
+    # group per minute, the first writer's (schema version 9; decision 0045)
+    Column("at", _tstz(), nullable=False),
+    # finished rows so far as `group_state.done_pruned` counts them (the ack deletes
+    # what it finishes but one row per batch, which the frontier prunes within a
+    # second): throughput is its growth between samples
+    Column("done", BigInteger, nullable=False),
+    Column("lag", BigInteger, nullable=False),  # ready + leased, as `pgq status`
+    Column("dead", BigInteger, nullable=False),
+    # seconds the oldest row claimable then had been claimable (NULL: none was)
+    Column("oldest_ready_age_s", Float),
+    PrimaryKeyConstraint("group_id", "at"),
+)
+"""Each group's numbers once a minute, for the dashboard's charts: written by the
+group's members (the first of a minute wins) and by the dashboard, kept a day
+(`pgq.sql.samples`)."""
 
 audit = Table(
     "audit",

@@ -35,6 +35,7 @@ BY_GROUP: tuple[Table, ...] = (
     t.breaker_history,
     t.probe,
     t.audit,
+    t.group_sample,
 )
 """Distributed by `group_id`, co-located with `ANCHOR` (first)."""
 

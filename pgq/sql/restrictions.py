@@ -32,7 +32,7 @@ from functools import cache
 from typing import Any
 
 from psycopg import sql as psql
-from sqlalchemy import Text, any_, bindparam, func, literal, select
+from sqlalchemy import BigInteger, Text, any_, bindparam, cast, func, literal, select
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import Executable
 from sqlalchemy.sql.selectable import ScalarSelect
@@ -54,6 +54,7 @@ GROUP_KEYED = (
     "breaker_history",
     "probe",
     "audit",
+    "group_sample",
 )
 """Tables whose rows belong to a group (their `group_id`)."""
 
@@ -199,6 +200,30 @@ def restrict_statements(
     return statements
 
 
+def carry_statements(
+    schema: str, table: str, restricted: Iterable[tuple[int, str]]
+) -> list[psql.Composed]:
+    """What a migration that adds group-keyed `table` runs in a schema where roles
+    are restricted already: row-level security on it with `pgq_all`, and each
+    restricted role's (oid, name) `pgq_only_<oid>` there as on the other group
+    tables (which groups it sees is said by the `consumer_group` policy alone)."""
+    on = psql.Identifier(schema, table)
+    rows = _visible(schema, "group_id", "consumer_group")
+    statements = [
+        psql.SQL("CREATE POLICY {} ON {} USING (true) WITH CHECK (true)").format(
+            psql.Identifier(OPEN_POLICY), on
+        ),
+        psql.SQL("ALTER TABLE {} ENABLE ROW LEVEL SECURITY").format(on),
+    ]
+    for oid, role in restricted:
+        statements.append(
+            psql.SQL(
+                "CREATE POLICY {} ON {} AS RESTRICTIVE TO {} USING ({}) WITH CHECK ({})"
+            ).format(psql.Identifier(only_policy(oid)), on, psql.Identifier(role), rows, rows)
+        )
+    return statements
+
+
 # --- what is there ------------------------------------------------------------
 
 
@@ -273,4 +298,13 @@ def groups_named() -> Executable:
     g = t.consumer_group
     return select(g.c.id, g.c.name, g.c.topic_id.label("topic_id")).where(
         g.c.name == any_(bindparam("names", type_=ARRAY(Text)))
+    )
+
+
+@cache
+def role_names() -> Executable:
+    """(oid, name) of the roles whose oids are in `:oids`."""
+    r = catalog.roles
+    return select(r.c.oid, r.c.rolname).where(
+        cast(r.c.oid, BigInteger) == any_(bindparam("oids", type_=ARRAY(BigInteger)))
     )

@@ -24,7 +24,7 @@ from pgq.sql.locks import lock_key, xact_lock
 from pgq.store import placement
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
-from pgq.store.privileges import carry_grants
+from pgq.store.privileges import carry_grants, carry_restrictions
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,22 @@ def _v8_ordered_groups(conn: Connection) -> None:
         index.create(conn, checkfirst=True)
 
 
+def _v9_group_samples(conn: Connection) -> None:
+    # The charts' samples (decision 0045): one row per group per minute, written by
+    # members and the dashboard. A fresh install already has the table from version 1
+    # (the tables as declared). Roles granted a job before keep being able to do it,
+    # and roles restricted to some groups (decision 0034) see only theirs here too.
+    created = not _exists(conn, t.group_sample)
+    t.group_sample.create(conn, checkfirst=True)
+    _granted(conn, carry_grants(conn, t.group_sample.name, privileges_sql.SAMPLES_CARRIED))
+    if created:
+        _granted(conn, carry_restrictions(conn, t.group_sample.name))
+
+
+def _exists(conn: Connection, table: Table) -> bool:
+    return conn.scalar(select(func.to_regclass(_qualified(conn, table)))) is not None
+
+
 def _granted(conn: Connection, statements: list[str]) -> None:
     for statement in statements:
         logger.info("migration granted schema=%s statement=%s", schema_of(conn), statement)
@@ -181,6 +197,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection], None]], ...] = (
     (6, "a group records where it started", _v6_group_start),
     (7, "messages carry a dedupe key, unique per topic", _v7_dedupe_key),
     (8, "ordered groups: the group's flag, its rows' keys", _v8_ordered_groups),
+    (9, "the charts' samples", _v9_group_samples),
 )
 LATEST = MIGRATIONS[-1][0]
 

@@ -367,7 +367,7 @@ def test_roles_granted_before_the_first_restriction_keep_every_row(
                 " WHERE n.nspname = %s AND c.relrowsecurity",
                 [schema],
             ).fetchone()
-        assert secured == (10,)
+        assert secured == (11,)
         watcher = pgq.connect(monitoring_dsn, schema=schema)
         try:
             assert len(monitor.status_all(watcher)["groups"]) == 3
@@ -397,7 +397,7 @@ def test_grant_again_replaces_the_restriction_and_without_lifts_it(
 ):
     role = granted("--consumer", "--group", "billing")
     first = policies_of(pg_dsn, schema, role.name)
-    assert len(first) == 12
+    assert len(first) == 13
     again = invoke(pgq_env, "grant", role.name, "--consumer", "--group", "billing")
     assert again.exit_code == 0, again.output
     assert policies_of(pg_dsn, schema, role.name) == first  # idempotent
