@@ -48,12 +48,15 @@ def sparkline(
         x = pad + (min(max(at, start), end) - start) / span * (width - 2 * pad)
         xy.append((x, height - pad - value / top * (height - 2 * pad)))
     coords = [f"{x:.1f},{y:.1f}" for x, y in _columns(xy)]
-    line = (
-        f'<polyline points="{" ".join(coords)}" fill="none" stroke="currentColor"'
-        ' stroke-width="1.5"/>'
-        if len(coords) > 1
-        else ""
-    )
+    if len(coords) > 1:
+        line = (
+            f'<polyline points="{" ".join(coords)}" fill="none" stroke="currentColor"'
+            ' stroke-width="1.5"/>'
+        )
+    else:  # one sample (a minute's): a point, not nothing
+        line = "".join(
+            f'<circle cx="{c.split(",")[0]}" cy="{c.split(",")[1]}" r="1.5"/>' for c in coords
+        )
     return Markup(
         '<svg class="spark" role="img" width="{w}" height="{h}" viewBox="0 0 {w} {h}"'
         ' aria-label="{label}"><title>{label}</title>'

@@ -113,6 +113,11 @@ def test_the_svg_escapes_member_names():
     assert "<script>" not in svg and "&lt;script&gt;" in svg
 
 
+def test_a_sparkline_of_one_sample_is_a_point():
+    svg = sparkline([(10, 4.0)], start=0, end=20, width=104, height=34, label="x")
+    assert '<circle cx="52.0" cy="2.0" r="1.5"/>' in svg and "polyline" not in svg
+
+
 def test_sparkline_scales_to_its_maximum():
     svg = sparkline(
         [(0, 0.0), (10, 5.0), (20, 10.0)], start=0, end=20, width=104, height=34, label="lag of <g>"
