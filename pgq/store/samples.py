@@ -9,7 +9,6 @@ wins; the others read one index entry and stop (`pgq.sql.samples`).
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
 from typing import Any
 
 from sqlalchemy import Connection, Engine
@@ -86,9 +85,9 @@ def all_samples(engine: Engine, span: float) -> dict[str, list[GroupSample]]:
     """Every group's samples of the last `span` seconds, by group name, oldest first."""
     found: dict[str, list[GroupSample]] = {}
     with wrap_errors(), engine.connect() as conn:
-        rows: Iterator[Any] = iter(
-            conn.execute(q.all_samples(), {"span": dt.timedelta(seconds=span)}).mappings()
-        )
-        for r in rows:
-            found.setdefault(str(r["group"]), []).append(_sample(r))
+        # rows as plain tuples, in `_COLUMNS`' order: the overview of 500 groups reads
+        # 30,000 of them, and mapping each by name cost more than the read
+        rows = conn.execute(q.all_samples(), {"span": dt.timedelta(seconds=span)})
+        for group, at, done, lag, dead, age in rows:
+            found.setdefault(group, []).append(GroupSample(at, done, lag, dead, age))
     return found

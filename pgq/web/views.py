@@ -1,8 +1,8 @@
 """What each page shows, read through the functions the CLI uses (`pgq.monitor`,
 `pgq.store`).
 
-No statement of its own: the overview is `status_all` (plus the pending/real
-split of `check` for groups with dead rows), the group page `status`,
+No statement of its own: the overview is `status_all` and the last hour's
+samples (plus the pending/real split of `check` for groups with dead rows), the group page `status`,
 `breaker_info`, `check` with its dead split and `audit`, the message page
 `message`, the messages page `pgq.store.messages.find` (a keyset page of a
 filter), a bulk action's confirmation `fix_matching`, the topics page
@@ -153,6 +153,8 @@ class Dashboard:
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
+        self._samples: tuple[float, dict[str, list[GroupSample]]] | None = None
+        """The overview's last read of every group's samples, and when (`clock`)."""
         self.writes_samples = True
         """False once the database refused a sample (a role without INSERT on it)."""
         self._lock = threading.Lock()
@@ -214,7 +216,7 @@ class Dashboard:
     def _overview(self, engine: Engine) -> dict[str, Any]:
         groups = self._status_all(engine).groups
         span = self.options.chart_span
-        samples = store_samples.all_samples(engine, span)
+        samples = self._overview_samples(engine, span)
         now = self._now(engine)
         start, end = now.timestamp() - span, now.timestamp()
         rows = []
@@ -233,6 +235,19 @@ class Dashboard:
                 }
             )
         return {"groups": rows, "span": span, "now": now}
+
+    def _overview_samples(self, engine: Engine, span: float) -> dict[str, list[GroupSample]]:
+        """Every group's samples of the last `span`, read again at most every
+        `sample_every` seconds: they change once a minute, and the overview of 500
+        groups, updated every 2 s, read 30,000 rows each time."""
+        with self._lock:
+            kept = self._samples
+        if kept is not None and self.clock() - kept[0] < self.options.sample_every:
+            return kept[1]
+        found = store_samples.all_samples(engine, span)
+        with self._lock:
+            self._samples = (self.clock(), found)
+        return found
 
     def _dead_split(self, engine: Engine, g: GroupStatus) -> dict[str, int]:
         dead, b = g.counts.dead, g.breaker
