@@ -42,7 +42,7 @@ from pgq.records import MessageFilter, RowState
 from pgq.schema import ERROR_CLASSES
 from pgq.store import admin as store_admin
 from pgq.store import lifecycle as store_lifecycle
-from pgq.web.charts import chart, seconds_label, sparkline
+from pgq.web.charts import chart, seconds_label, seconds_ticks, sparkline
 from pgq.web.guard import SESSION_COOKIE, Guard, Throttled, host_allowed, same_origin
 from pgq.web.query import PAGE_SIZES, filter_args, parse_filter, parse_position
 from pgq.web.views import Dashboard
@@ -133,6 +133,7 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
         sparkline=sparkline,
         chart=chart,
         seconds_label=seconds_label,
+        seconds_ticks=seconds_ticks,
         spans=SPANS,
         admin=guard.admin,
         refresh_ms=int(dashboard.options.refresh * 1000),

@@ -22,7 +22,7 @@ from markupsafe import Markup
 
 from pgq.cli.render import visible
 
-__all__ = ["chart", "rates", "sparkline", "time_ticks", "value_ticks"]
+__all__ = ["chart", "rates", "seconds_ticks", "sparkline", "time_ticks", "value_ticks"]
 
 
 def sparkline(
@@ -114,6 +114,21 @@ def value_ticks(top: float, count: int = 4) -> list[float]:
     return [i * step for i in range(n + 1)]
 
 
+SECOND_STEPS = (1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 14400, 43200)
+"""Seconds a value tick of a duration may be apart: whole seconds, minutes, hours."""
+
+
+def seconds_ticks(top: float, count: int = 4) -> list[float]:
+    """`value_ticks` for durations in seconds: steps of `SECOND_STEPS` (a 25-minute
+    age is 0, 10, 20, 30 min, not 0, 6.25, 12.5, ...)."""
+    if top <= 0 or not math.isfinite(top):
+        return [0.0, 1.0]
+    step = next((s for s in SECOND_STEPS if top / s <= count), None)
+    if step is None:
+        return [t * 86400 for t in value_ticks(top / 86400, count)]
+    return [float(i * step) for i in range(math.ceil(top / step - 1e-9) + 1)]
+
+
 def time_ticks(start: dt.datetime, end: dt.datetime, count: int = 6) -> list[dt.datetime]:
     """Times between `start` and `end` on whole steps (`STEPS`) of UTC, at most
     `count` + 1 of them."""
@@ -154,20 +169,21 @@ def chart(
     shaded: Sequence[tuple[dt.datetime, dt.datetime]] = (),
     label: str,
     unit: Callable[[float], str] = compact,
-    width: int = 900,
-    height: int = 150,
+    ticks: Callable[[float], list[float]] = value_ticks,
+    width: int = 600,
+    height: int = 180,
 ) -> Markup:
     """`points` (at, value; time order) between `start` and `end` as an SVG line chart
     with a time axis (UTC) and a value axis from zero, each span of `shaded`
     (the breaker's OPEN spans) drawn as a band behind the line. `label` names the
     chart (it may hold a group's name: made `visible` and escaped); `unit` writes
-    a value axis tick."""
+    a value axis tick, `ticks` chooses them (`seconds_ticks` for durations)."""
     label = visible(label)
     left, right, top_pad, bottom = 52, 10, 8, 22
     plot_w, plot_h = width - left - right, height - top_pad - bottom
     total = max((end - start).total_seconds(), 1e-9)
-    ticks = value_ticks(max((v for _, v in points), default=0.0))
-    top = ticks[-1]
+    marks = ticks(max((v for _, v in points), default=0.0))
+    top = marks[-1]
 
     def x(at: dt.datetime) -> float:
         clipped = min(max(at, start), end)
@@ -186,7 +202,7 @@ def chart(
                     "<title>breaker OPEN {a}–{b}</title></rect>"
                 ).format(x=x0, y=top_pad, w=max(x1 - x0, 1.0), h=plot_h, a=_hm(a), b=_hm(b))
             )
-    for value in ticks:
+    for value in marks:
         parts.append(
             Markup(
                 '<line class="grid" x1="{l}" y1="{y:.1f}" x2="{r}" y2="{y:.1f}"/>'

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("flask")
 
-from pgq.web.charts import GAP, chart, rates, time_ticks, value_ticks
+from pgq.web.charts import GAP, chart, rates, seconds_ticks, time_ticks, value_ticks
 from pgq.web.timeline import timeline
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, 30, tzinfo=dt.timezone.utc)
@@ -78,7 +78,8 @@ def polylines(svg: str) -> list[list[tuple[float, float]]]:
 
 
 def test_a_chart_has_both_axes_and_its_line_spans_the_plot():
-    svg = chart(points([0, 5, 10]), start=NOW - dt.timedelta(hours=1), end=NOW, label="lag of g")
+    hour = NOW - dt.timedelta(hours=1)
+    svg = chart(points([0, 5, 10]), start=hour, end=NOW, label="lag of g", width=900, height=150)
     assert 'aria-label="lag of g"' in svg and 'data-points="3"' in svg
     ticks = re.findall(r'<text class="tick"[^>]*>([^<]*)</text>', str(svg))
     assert ticks[:5] == ["0", "2.5", "5", "7.5", "10"]  # the value axis
@@ -113,7 +114,9 @@ def test_the_breakers_open_spans_are_shaded_from_the_timelines_spans():
     }
     strip = timeline(info, now=NOW, window=3600.0)
     shaded = [(s.start, s.end) for s in strip.spans if s.state == "OPEN"]
-    svg = str(chart(points([1, 2]), start=strip.start, end=strip.end, shaded=shaded, label="x"))
+    svg = str(
+        chart(points([1, 2]), start=strip.start, end=strip.end, shaded=shaded, label="x", width=900)
+    )
     [(x, w)] = re.findall(r'<rect class="shade open" x="([\d.]+)" y="8" width="([\d.]+)"', svg)
     plot = 900 - 52 - 10
     assert float(x) == pytest.approx(52 + plot * 30 / 60, abs=0.1)
@@ -131,3 +134,16 @@ def test_a_chart_of_a_day_stays_small():
 def test_a_charts_label_is_made_visible_and_escaped():
     svg = str(chart([], start=NOW - MIN, end=NOW, label='lag of <script>\u202e"'))
     assert "<script>" not in svg and "&lt;script&gt;" in svg and "\u202e" not in svg
+
+
+@pytest.mark.parametrize(
+    "top, ticks",
+    [
+        (0.0, [0.0, 1.0]),
+        (3.0, [0.0, 1.0, 2.0, 3.0]),
+        (25 * 60.0, [0.0, 600.0, 1200.0, 1800.0]),
+        (3 * 3600.0, [0.0, 3600.0, 7200.0, 10800.0]),
+    ],
+)
+def test_an_ages_ticks_are_whole_seconds_minutes_or_hours(top, ticks):
+    assert seconds_ticks(top) == ticks
