@@ -2,11 +2,11 @@
 `pgq.store`).
 
 No statement of its own: the overview is `status_all` and the last hour's
-samples (plus the pending/real split of `check` for groups with dead rows), the group page `status`,
-`breaker_info`, `check` with its dead split and `audit`, the message page
-`message`, the messages page `pgq.store.messages.find` (a keyset page of a
-filter), a bulk action's confirmation `fix_matching`, the topics page
-`pgq topics`'s `topics`.
+samples (plus the pending/real split of `check` for groups with dead rows),
+the group page `status`, its samples of the span asked for, `breaker_info`,
+`check` with its dead split and `audit`, the message page `message`, the
+messages page `pgq.store.messages.find` (a keyset page of a filter), a bulk
+action's confirmation `fix_matching`, the topics page `pgq topics`'s `topics`.
 The charts draw the samples the database keeps (`pgq.store.samples`, decision
 0045): the overview's sparklines an hour of every group's, the group page's
 charts the `?span=` asked for, with the breaker's OPEN spans from the same
