@@ -23,6 +23,7 @@ __all__ = [
     "Counts",
     "FrontierHolder",
     "GroupBreaker",
+    "GroupSample",
     "GroupStatus",
     "HistoryLine",
     "JsonModel",
@@ -463,4 +464,26 @@ class MessageHistory:
             "lines_written": self.lines_written,
             "probes": [p.to_json() for p in self.probes],
             "breaker": [tr.to_json() for tr in self.breaker],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSample:
+    """One minute's sample of a group, as the charts draw it (decision 0045):
+    `done` as `group_state.done_pruned` counts finished rows, `lag`, `dead`
+    and the oldest claimable row's age then (None: no row was claimable)."""
+
+    at: dt.datetime
+    done: int
+    lag: int
+    dead: int
+    oldest_ready_age_s: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "at": iso(self.at),
+            "done": self.done,
+            "lag": self.lag,
+            "dead": self.dead,
+            "oldest_ready_age_s": self.oldest_ready_age_s,
         }

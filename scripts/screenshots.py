@@ -262,7 +262,8 @@ class Shoot:
         wait_for("the refund on the timeline", lambda: camera.find("#events .refunded"))
         camera.shoot("group-closed")
         d.get(url + "?all=1")
-        wait_for("the charts", lambda: camera.find("svg.spark polyline"))
+        # a minute's sample is a point; two minutes of them a line
+        wait_for("the charts", lambda: camera.find("svg.spark polyline, svg.spark circle"))
         camera.shoot("overview")
 
         d.get(url + f"groups/{SHIPPING}/messages?state=dead&class=permanent&error=postcode")

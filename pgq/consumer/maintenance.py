@@ -199,11 +199,13 @@ class Maintenance(Role):
 
     def retention_pass(self, conn: RoleConnection, stop: threading.Event, budget: float) -> bool:
         """Delete the group's logged probes and history lines past retention (one batch
-        each), then messages past retention, batch after batch, for up to `budget`
-        seconds; False when `stop` cut it short."""
+        each) and its chart samples older than a day (`SAMPLE_KEEP`), then messages
+        past retention, batch after batch, for up to `budget` seconds; False when
+        `stop` cut it short."""
         m = self.member
         conn.run(m.store.expire_probes, m.settings.retention)
         conn.run(m.store.expire_history, m.settings.retention)
+        conn.run(m.store.expire_samples)
         deadline = self.clock() + budget
         while self.clock() < deadline:
             if stop.is_set():
@@ -251,6 +253,10 @@ class Maintenance(Role):
             )
         finally:
             conn.close()
+
+    def sample(self) -> None:
+        """Write this minute's chart sample of the group unless one is there."""
+        self.conn.run(self.member.store.take_sample)
 
     def forget_members(self) -> None:
         """Delete the group's members that left or died longer than

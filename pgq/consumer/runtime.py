@@ -42,6 +42,11 @@ VACUUM_EVERY = 5.0
 RETENTION_EVERY = 60.0
 """Seconds between a member's retention passes (the first runs at start)."""
 
+SAMPLE_EVERY = 20.0
+"""Seconds between a member's looks whether this minute's chart sample of its group is
+written (decision 0045): three a minute, so a late task run never misses a minute;
+each but the one that writes reads one index entry."""
+
 ABORT_WAIT = 2.0
 """Seconds the second signal waits for its writes and releases before it returns (and
 `pgq consume` exits): what is not done by then is left to the leases' expiry."""
@@ -80,6 +85,7 @@ class Runtime:
         self.maintenance.add("prune", 60.0, self.maintenance.prune)
         self.maintenance.add("retention", RETENTION_EVERY, self.maintenance.expire_messages)
         self.maintenance.add("forget-members", 60.0, self.maintenance.forget_members)
+        self.maintenance.add("sample", SAMPLE_EVERY, self.maintenance.sample)
         self.maintenance.add(
             "handler-timeouts", min(0.5, s.handler_timeout / 4), self.workers.check_timeouts
         )

@@ -4,8 +4,7 @@ every server, so these are never created nor translated to pgq's schema)."""
 
 from __future__ import annotations
 
-from sqlalchemy import Boolean, Integer, column, table
-from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy import Boolean, column, table
 
 namespaces = table("pg_namespace", column("oid"), column("nspname"), schema="pg_catalog")
 
@@ -44,6 +43,5 @@ policies = table(
     column("oid"),
     column("polname"),
     column("polrelid"),
-    column("polroles", ARRAY(Integer)),
     schema="pg_catalog",
 )

@@ -27,6 +27,7 @@ DELETE_TOPIC_ACTION = "delete-topic"
 """The `audit.action` of a topic's removal (its row's group is `schema.NO_GROUP`)."""
 
 GROUP_TABLES: tuple[Table, ...] = (
+    t.group_sample,
     t.member,
     t.probe,
     t.attempt,

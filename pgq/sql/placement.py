@@ -36,6 +36,7 @@ BY_GROUP: tuple[Table, ...] = (
     t.probe,
     t.audit,
     t.attempt,
+    t.group_sample,
 )
 """Distributed by `group_id`, co-located with `ANCHOR` (first)."""
 

@@ -71,6 +71,9 @@ CONSUMER_TABLES: dict[str, tuple[str, ...]] = {
     # a message's history: failures, reclaims and refunds write a line (a slot's
     # older line rewritten: UPDATE); retention deletes old lines
     "attempt": ("SELECT", "INSERT", "UPDATE", "DELETE"),
+    # the charts' samples (schema version 9): a member writes its group's minute
+    # unless one is there (SELECT), retention deletes the old ones
+    "group_sample": ("SELECT", "INSERT", "DELETE"),
 }
 """Table privileges a consumer member needs (besides USAGE on the schema)."""
 
@@ -107,6 +110,7 @@ ADMIN_REMOVALS: dict[str, tuple[str, ...]] = {
     "breaker": ("DELETE",),
     "breaker_history": ("DELETE",),
     "probe": ("DELETE",),
+    "group_sample": ("DELETE",),
 }
 """What `unsubscribe` and `topic delete` need besides the rest of the administrator's
 list (schema version 5 carries them to the roles granted that list before:
@@ -128,6 +132,9 @@ ADMIN_TABLES: dict[str, tuple[str, ...]] = {
     # not among `ADMIN_REMOVALS`, which version 5 carries)
     "attempt": ("SELECT", "DELETE"),
     "audit": ("SELECT", "INSERT"),  # every audited change writes it (and returns its id)
+    # the charts (schema version 9): `pgq web` reads them, and writes the minute's
+    # sample of a group no member sampled (SELECT to see that first)
+    "group_sample": ("SELECT", "INSERT", *ADMIN_REMOVALS["group_sample"]),
 }
 """Table privileges an administrator needs (besides USAGE on the schema): audited
 `requeue`, `purge`, `unsubscribe` and `topic delete`, and every read-only command
@@ -160,11 +167,13 @@ A producer (SELECT on `consumer_group` only) needs nothing there."""
 
 HISTORY_CARRIED: Carried = {
     ("probe", "INSERT"): CONSUMER_TABLES["attempt"],
-    ("probe", "SELECT"): ADMIN_TABLES["attempt"],
+    ("probe", "SELECT"): ("SELECT",),
+    ("audit", "INSERT"): ADMIN_TABLES["attempt"],
 }
 """Schema version 9 adds `attempt`: a role granted INSERT on the probe log before (a
-consumer's) gets a consumer's privileges on it, one granted SELECT there (an
-administrator, a monitoring role) gets an administrator's (decision 0046)."""
+consumer's) gets a consumer's privileges on it, one granted INSERT on `audit` (an
+administrator's) an administrator's, one that reads the probe log (a monitoring
+role) reads the history too (decision 0046)."""
 
 
 DEDUPE_CARRIED: dict[str, Carried] = {
@@ -175,8 +184,21 @@ DEDUPE_CARRIED: dict[str, Carried] = {
 `message` before (a producer's) gets SELECT on the two columns that needs."""
 
 
+SAMPLES_CARRIED: Carried = {
+    ("breaker_history", "INSERT"): CONSUMER_TABLES["group_sample"],
+    ("breaker_history", "SELECT"): ("SELECT",),
+    ("audit", "INSERT"): ADMIN_TABLES["group_sample"],
+}
+"""Schema version 9 adds `group_sample`: a role granted INSERT on `breaker_history`
+before (a consumer's) gets a consumer's privileges on it, one granted INSERT on
+`audit` (an administrator's) an administrator's, one that reads the breaker's
+history (a monitoring role) reads the samples too (decision 0045)."""
+
+
 REMOVALS_CARRIED: dict[str, Carried] = {
-    name: {("audit", "INSERT"): privileges} for name, privileges in ADMIN_REMOVALS.items()
+    name: {("audit", "INSERT"): privileges}
+    for name, privileges in ADMIN_REMOVALS.items()
+    if name != "group_sample"  # schema version 9's (`SAMPLES_CARRIED`)
 }
 """Schema version 5 lets an administrator remove groups and topics: a role granted
 INSERT on `audit` before (an administrator's) gets `ADMIN_REMOVALS`, by table."""

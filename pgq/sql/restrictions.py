@@ -32,7 +32,7 @@ from functools import cache
 from typing import Any
 
 from psycopg import sql as psql
-from sqlalchemy import Text, any_, bindparam, func, literal, select
+from sqlalchemy import BigInteger, Text, any_, bindparam, cast, func, literal, select
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.sql import Executable
 from sqlalchemy.sql.selectable import ScalarSelect
@@ -55,6 +55,7 @@ GROUP_KEYED = (
     "probe",
     "audit",
     "attempt",
+    "group_sample",
 )
 """Tables whose rows belong to a group (their `group_id`)."""
 
@@ -137,29 +138,6 @@ def drop_statements(schema: str, existing: Iterable[tuple[str, str]]) -> list[ps
     ]
 
 
-def group_table_statements(
-    schema: str, name: str, roles: Iterable[tuple[str, str]]
-) -> list[psql.Composed]:
-    """A group-keyed table a migration adds (`name`, of `GROUP_KEYED`) restricted as
-    the others already are: row-level security on with `pgq_all`, and for each of
-    `roles` ((role name, policy name) of each restricted role, as `restricted_roles`
-    reads them on `probe`) the restriction every group table has."""
-    on = psql.Identifier(schema, name)
-    rows = _visible(schema, "group_id", "consumer_group")
-    return [
-        psql.SQL("CREATE POLICY {} ON {} USING (true) WITH CHECK (true)").format(
-            psql.Identifier(OPEN_POLICY), on
-        ),
-        psql.SQL("ALTER TABLE {} ENABLE ROW LEVEL SECURITY").format(on),
-        *(
-            psql.SQL(
-                "CREATE POLICY {} ON {} AS RESTRICTIVE TO {} USING ({}) WITH CHECK ({})"
-            ).format(psql.Identifier(policy), on, psql.Identifier(role), rows, rows)
-            for role, policy in roles
-        ),
-    ]
-
-
 def fingerprint(topics: Iterable[int], whole_topics: Iterable[int], groups: Iterable[int]) -> str:
     """What a restriction allows, as the comment on its `topic` policy: a grant that
     would create the same policies finds it there and changes nothing (no lock)."""
@@ -219,6 +197,30 @@ def restrict_statements(
                 to,
                 retained,
             )
+        )
+    return statements
+
+
+def carry_statements(
+    schema: str, table: str, restricted: Iterable[tuple[int, str]]
+) -> list[psql.Composed]:
+    """What a migration that adds group-keyed `table` runs in a schema where roles
+    are restricted already: row-level security on it with `pgq_all`, and each
+    restricted role's (oid, name) `pgq_only_<oid>` there as on the other group
+    tables (which groups it sees is said by the `consumer_group` policy alone)."""
+    on = psql.Identifier(schema, table)
+    rows = _visible(schema, "group_id", "consumer_group")
+    statements = [
+        psql.SQL("CREATE POLICY {} ON {} USING (true) WITH CHECK (true)").format(
+            psql.Identifier(OPEN_POLICY), on
+        ),
+        psql.SQL("ALTER TABLE {} ENABLE ROW LEVEL SECURITY").format(on),
+    ]
+    for oid, role in restricted:
+        statements.append(
+            psql.SQL(
+                "CREATE POLICY {} ON {} AS RESTRICTIVE TO {} USING ({}) WITH CHECK ({})"
+            ).format(psql.Identifier(only_policy(oid)), on, psql.Identifier(role), rows, rows)
         )
     return statements
 
@@ -283,23 +285,6 @@ def policies() -> Executable:
 
 
 @cache
-def restricted_roles() -> Executable:
-    """(role name, policy name) of every role restricted on table `:table` of schema
-    `:schema` (its `pgq_only_<oid>` policy)."""
-    c, p = catalog.classes, catalog.policies
-    return (
-        select(func.pg_get_userbyid(p.c.polroles[1]), p.c.polname)
-        .select_from(p.join(c, c.c.oid == p.c.polrelid))
-        .where(
-            c.c.relnamespace == _in_schema(),
-            c.c.relname == bindparam("table", type_=Text),
-            p.c.polname.startswith("pgq_only_"),
-        )
-        .order_by(p.c.polname)
-    )
-
-
-@cache
 def topics_named() -> Executable:
     """(id, name) of the topics named in `:names`."""
     tp = t.topic
@@ -314,4 +299,13 @@ def groups_named() -> Executable:
     g = t.consumer_group
     return select(g.c.id, g.c.name, g.c.topic_id.label("topic_id")).where(
         g.c.name == any_(bindparam("names", type_=ARRAY(Text)))
+    )
+
+
+@cache
+def role_names() -> Executable:
+    """(oid, name) of the roles whose oids are in `:oids`."""
+    r = catalog.roles
+    return select(r.c.oid, r.c.rolname).where(
+        cast(r.c.oid, BigInteger) == any_(bindparam("oids", type_=ARRAY(BigInteger)))
     )

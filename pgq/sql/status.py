@@ -100,22 +100,26 @@ def oldest_ready() -> Select[Any]:
     `LIMIT 1` whose index condition is the group and the bound, so the cost does
     not grow with the lag (`status` runs it once per group).
     """
+    return select(oldest_ready_age(bindparam("group_id", type_=Integer)).label("age_s"))
+
+
+def oldest_ready_age(gid: Any) -> ColumnElement[Any]:
+    """`oldest_ready`'s age of group `gid` (a bind parameter) as an expression."""
     d = t.delivery
-    gid = bindparam("group_id", type_=Integer)
     ready_since = (
         select(func.min(d.c.available_at))
-        .where(d.c.group_id == gid, d.c.state == RowState.READY.value)
+        .where(d.c.group_id == gid, d.c.state == t.READY)
         .where(d.c.available_at <= func.now())
         .scalar_subquery()
     )
     expired_since = (
         select(func.min(d.c.lease_expires_at))
-        .where(d.c.group_id == gid, d.c.state == RowState.LEASED.value)
+        .where(d.c.group_id == gid, d.c.state == t.LEASED)
         .where(d.c.lease_expires_at <= func.now())
         .scalar_subquery()
     )
     waited = func.now() - func.least(ready_since, expired_since)
-    return select(cast(func.extract("epoch", waited), Float).label("age_s"))
+    return cast(func.extract("epoch", waited), Float)
 
 
 @cache

@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from pgq.logcontext import get_logger
+from pgq.read_models import GroupSample
 from pgq.sql import frontier as frontier_sql
 from pgq.sql import history as history_sql
 from pgq.sql import locks as locks_sql
@@ -18,6 +19,7 @@ from pgq.sql.locks import (
     try_xact_lock,
 )
 from pgq.store import placement
+from pgq.store import samples as store_samples
 from pgq.store.connections import run_hot
 from pgq.store.engine import schema_of
 from pgq.store.scope import GroupScope
@@ -192,3 +194,12 @@ class Housekeeping(GroupScope):
         seconds; returns how many."""
         params = {"gid": self.gid, "retention": dt.timedelta(seconds=retention), "limit": limit}
         return int(conn.execute(history_sql.delete_expired_lines(), params).scalar() or 0)
+
+    def take_sample(self, conn: Connection) -> GroupSample | None:
+        """This minute's sample of the group for the charts, unless one is there
+        (`pgq.store.samples.take_sample`)."""
+        return store_samples.take_sample(conn, self.gid)
+
+    def expire_samples(self, conn: Connection, keep: float = store_samples.SAMPLE_KEEP) -> int:
+        """Delete the group's chart samples older than `keep` seconds; returns how many."""
+        return store_samples.expire_samples(conn, self.gid, keep)

@@ -19,13 +19,12 @@ from pgq import schema as t
 from pgq.errors import PgqError, UsageError
 from pgq.sql import placement as place
 from pgq.sql import privileges as privileges_sql
-from pgq.sql import restrictions as restrictions_sql
 from pgq.sql import upgrade
 from pgq.sql.locks import lock_key, xact_lock
 from pgq.store import placement
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
-from pgq.store.privileges import carry_grants
+from pgq.store.privileges import carry_grants, carry_restrictions
 
 logger = logging.getLogger(__name__)
 
@@ -157,37 +156,43 @@ def _v8_ordered_groups(conn: Connection) -> None:
         index.create(conn, checkfirst=True)
 
 
-def _v9_attempt_history(conn: Connection) -> None:
+def _v9_history_and_samples(conn: Connection) -> None:
+    # Two tables of a group's rows, each restricted as the others where roles are
+    # restricted to some groups (decision 0034), so a restricted role sees only its
+    # groups' lines and samples. A fresh install already has both from version 1 (the
+    # tables as declared).
+    _attempt_history(conn)
+    _group_samples(conn)
+
+
+def _attempt_history(conn: Connection) -> None:
     # Every message's recent history in a group (decision 0046): the `attempt` table
     # and, on each delivery row, the count of lines it has written. Rows that exist
     # start with none (their earlier attempts were not recorded). Roles granted a
     # consumer's or a reader's privileges on the probe log before get theirs on the
-    # history. A fresh install already has both from version 1 (the tables as declared).
+    # history.
     rows = {"schema": schema_of(conn), "table": t.delivery.name}
     if "events" not in set(conn.execute(upgrade.columns_of(), rows).scalars()):
         conn.execute(upgrade.add_delivery_events(_qualified(conn, t.delivery)))
+    created = not _exists(conn, t.attempt)
     t.attempt.create(conn, checkfirst=True)
     _granted(conn, carry_grants(conn, t.attempt.name, privileges_sql.HISTORY_CARRIED))
-    _restricted_as_the_others(conn, t.attempt)
+    if created:
+        _granted(conn, carry_restrictions(conn, t.attempt.name))
 
 
-def _restricted_as_the_others(conn: Connection, table: Table) -> None:
-    """A group table a migration adds gets the row-level restrictions the group
-    tables have (`pgq grant --topic/--group`, decision 0034), where roles are
-    restricted (`probe` has row-level security on): a restricted role sees only its
-    groups' rows there too."""
-    schema = schema_of(conn)
-    secured = set(conn.execute(restrictions_sql.secured_tables(), {"schema": schema}).scalars())
-    if "probe" not in secured or table.name in secured:
-        return
-    which = {"schema": schema, "table": "probe"}
-    roles = [(r[0], r[1]) for r in conn.execute(restrictions_sql.restricted_roles(), which)]
-    driver = conn.connection.driver_connection
-    assert driver is not None
-    with driver.cursor() as cur:
-        for statement in restrictions_sql.group_table_statements(schema, table.name, roles):
-            cur.execute(statement)  # no parameters: the text is sent as composed
-    logger.info("migration restricted schema=%s table=%s roles=%d", schema, table.name, len(roles))
+def _group_samples(conn: Connection) -> None:
+    # The charts' samples (decision 0045): one row per group per minute, written by
+    # members and the dashboard. Roles granted a job before keep being able to do it.
+    created = not _exists(conn, t.group_sample)
+    t.group_sample.create(conn, checkfirst=True)
+    _granted(conn, carry_grants(conn, t.group_sample.name, privileges_sql.SAMPLES_CARRIED))
+    if created:
+        _granted(conn, carry_restrictions(conn, t.group_sample.name))
+
+
+def _exists(conn: Connection, table: Table) -> bool:
+    return conn.scalar(select(func.to_regclass(_qualified(conn, table)))) is not None
 
 
 def _granted(conn: Connection, statements: list[str]) -> None:
@@ -215,7 +220,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection], None]], ...] = (
     (6, "a group records where it started", _v6_group_start),
     (7, "messages carry a dedupe key, unique per topic", _v7_dedupe_key),
     (8, "ordered groups: the group's flag, its rows' keys", _v8_ordered_groups),
-    (9, "every message's recent history", _v9_attempt_history),
+    (9, "every message's recent history; the charts' samples", _v9_history_and_samples),
 )
 LATEST = MIGRATIONS[-1][0]
 

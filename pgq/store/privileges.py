@@ -254,6 +254,32 @@ def carry_grants(conn: Connection, table: str, carried: privileges_sql.Carried) 
     return statements
 
 
+def carry_restrictions(conn: Connection, table: str) -> list[str]:
+    """Restrict the new group-keyed `table` as the group tables are for every role
+    restricted to some topics and groups (`pgq_only_<oid>` on `probe`); returns the
+    statements run (none where no role was ever restricted). Runs in a migration's
+    transaction, as the role that runs `pgq init`."""
+    q = restrictions_sql
+    schema = schema_of(conn)
+    prefix = q.only_policy(0)[:-1]
+    oids = [
+        int(policy[len(prefix) :])
+        for name, policy, _ in conn.execute(q.policies(), {"schema": schema})
+        if name == "probe" and str(policy).startswith(prefix)
+    ]
+    secured = set(conn.execute(q.secured_tables(), {"schema": schema}).scalars())
+    if "probe" not in secured:
+        return []
+    roles = [(int(o), str(n)) for o, n in conn.execute(q.role_names(), {"oids": oids})]
+    statements = [s.as_string(None) for s in q.carry_statements(schema, table, sorted(roles))]
+    driver = conn.connection.driver_connection
+    assert driver is not None
+    with driver.cursor() as cur:
+        for statement in statements:
+            cur.execute(statement)  # no parameters: the text as rendered
+    return statements
+
+
 def require_privileges(conn: Connection, job: str) -> None:
     """Raise `PermissionDenied` naming every privilege `job` needs on the schema
     that the current role lacks (nothing when it has them all)."""

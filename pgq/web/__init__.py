@@ -1,9 +1,9 @@
 """`pgq web`: the dashboard (the `web` extra: Flask and waitress).
 
 - `views`: what each page shows, read through `pgq.monitor` (no SQL here);
-- `history`: the overview's charts, sampled in memory;
 - `timeline`: the breaker timeline (spans, probes, closes) of a group page;
-- `charts`: small SVG charts drawn on the server;
+- `charts`: SVG charts drawn on the server: the overview's sparklines, the group
+  page's charts with axes (from the samples the database keeps, decision 0045);
 - `guard`: who may change things: sessions, CSRF and Host checks;
 - `tokens`: the admin tokens, one per person, and their strength rule;
 - `throttle`: failed token attempts, limited per client;

@@ -42,7 +42,7 @@ from pgq.records import MessageFilter, RowState
 from pgq.schema import ERROR_CLASSES
 from pgq.store import admin as store_admin
 from pgq.store import lifecycle as store_lifecycle
-from pgq.web.charts import sparkline
+from pgq.web.charts import chart, seconds_label, seconds_ticks, sparkline
 from pgq.web.guard import SESSION_COOKIE, Guard, Throttled, host_allowed, same_origin
 from pgq.web.query import PAGE_SIZES, filter_args, parse_filter, parse_position
 from pgq.web.views import Dashboard
@@ -64,6 +64,8 @@ LIVE_PAGES = frozenset({"overview.html", "group.html", "message.html"})
 (it was a 500 after the change was made; docs/defects.md)."""
 WINDOWS = {"auto": None, "1m": 60.0, "5m": 300.0, "1h": 3600.0, "24h": 86400.0}
 """The breaker timeline's spans a group page offers (`?window=`)."""
+SPANS = {"1h": 3600.0, "24h": 86400.0}
+"""The spans a group page's charts offer (`?span=`; the samples are kept a day)."""
 
 
 def _finalize(value: Any) -> Any:
@@ -129,6 +131,10 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
         input_time=_input_time,
         duration=_duration,
         sparkline=sparkline,
+        chart=chart,
+        seconds_label=seconds_label,
+        seconds_ticks=seconds_ticks,
+        spans=SPANS,
         admin=guard.admin,
         refresh_ms=int(dashboard.options.refresh * 1000),
         error_classes=ERROR_CLASSES,
@@ -217,8 +223,12 @@ def create_app(dashboard: Dashboard, guard: Guard, *, host: str, port: int) -> F
         window = WINDOWS.get(request.args.get("window", "auto"))
         if window is None and request.args.get("window", "auto") != "auto":
             abort(400, f"unknown window (use one of {', '.join(WINDOWS)})")
-        data = dashboard.group(name, window)
+        span = request.args.get("span", "1h")
+        if span not in SPANS:
+            abort(400, f"unknown span (use one of {', '.join(SPANS)})")
+        data = dashboard.group(name, window, SPANS[span])
         data["window"] = request.args.get("window", "auto")
+        data["span"] = span
         done = request.args.get("done", type=int)
         result = next((a for a in data["audit"] if a["id"] == done), None)
         nothing = request.args.get("none")

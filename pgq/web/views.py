@@ -1,14 +1,19 @@
 """What each page shows, read through the functions the CLI uses (`pgq.monitor`,
 `pgq.store`).
 
-No statement of its own: the overview is `status_all` (plus the pending/real
-split of `check` for groups with dead rows), the group page `status`,
-`breaker_info`, `check` with its dead split and `audit`, the message page
-`message` and `pgq.store.history.message_history`, the messages page
+No statement of its own: the overview is `status_all` and the last hour's
+samples (plus the pending/real split of `check` for groups with dead rows),
+the group page `status`, its samples of the span asked for, `breaker_info`,
+`check` with its dead split and `audit`, the message page `message` and
+`pgq.store.history.message_history`, the messages page
 `pgq.store.messages.find` (a keyset page of a filter), a bulk action's
 confirmation `fix_matching`, the topics page `pgq topics`'s `topics`.
-`Dashboard` also keeps the charts' `History`, fed by the sampler thread and
-by every overview it reads.
+The charts draw the samples the database keeps (`pgq.store.samples`, decision
+0045): the overview's sparklines an hour of every group's, the group page's
+charts the `?span=` asked for, with the breaker's OPEN spans from the same
+history the timeline draws. The sampler thread writes the minute's sample of
+every group no member sampled, while the dashboard's role may (a role that may
+not is told once, and the charts show what members wrote).
 
 Every read has a deadline (`read_timeout`, `pgq.store.deadline`): it runs on
 a `pgq-web-read` thread over an engine of the dashboard's own, and a read still
@@ -31,15 +36,16 @@ from typing import Any, TypeVar
 from sqlalchemy import Engine
 
 from pgq import monitor
-from pgq.errors import DatabaseUnavailable, PgqError
-from pgq.read_models import GroupStatus, MessageSummary, StatusAll, Topics
+from pgq.errors import DatabaseUnavailable, PermissionDenied, PgqError
+from pgq.read_models import GroupSample, GroupStatus, MessageSummary, StatusAll, Topics
 from pgq.records import BreakerState, MessageFilter
 from pgq.store import database_now
 from pgq.store import history as store_history
 from pgq.store import lifecycle as store_lifecycle
 from pgq.store import messages as store_messages
+from pgq.store import samples as store_samples
 from pgq.store.deadline import ReadDeadline
-from pgq.web.history import History, lag, throughput
+from pgq.web.charts import rates
 from pgq.web.query import Position
 from pgq.web.timeline import timeline
 
@@ -68,8 +74,8 @@ class WebOptions:
     member_ttl: float = monitor.DEFAULT_MEMBER_TTL
     max_refunds: int = monitor.DEFAULT_MAX_REFUNDS
     refresh: float = 2.0
-    sample_every: float = 10.0
-    chart_span: float = 3600.0
+    sample_every: float = 20.0  # the sampler's beat (samples are one a minute)
+    chart_span: float = 3600.0  # what the overview's sparklines cover
     group: str | None = None  # the group `/` opens on (`pgq demo --web`)
     read_timeout: float = 5.0  # a page whose reads take longer is a 503
 
@@ -118,6 +124,25 @@ def listing(engine: Engine, group: str, f: MessageFilter, position: Position, sc
     return Listing(page.group, page.topic, rows, forth, onward, page.searched_to, page.now)
 
 
+def _throughput(samples: Sequence[GroupSample]) -> list[tuple[dt.datetime, float]]:
+    return rates([(s.at, s.done) for s in samples])
+
+
+def _charts(samples: Sequence[GroupSample], strip: Any) -> dict[str, Any]:
+    """What the group page's charts draw: the four series of `samples`, the span
+    they cover (the breaker timeline `strip` of the same span) and its OPEN spans."""
+    return {
+        "start": strip.start,
+        "end": strip.end,
+        "samples": len(samples),
+        "shaded": [(s.start, s.end) for s in strip.spans if s.state == BreakerState.OPEN],
+        "throughput": _throughput(samples),
+        "lag": [(s.at, float(s.lag)) for s in samples],
+        "oldest": [(s.at, s.oldest_ready_age_s or 0.0) for s in samples],
+        "dead": [(s.at, float(s.dead)) for s in samples],
+    }
+
+
 def _id(value: int) -> int | None:
     """`value` if it can be a message id (a page bound), else None."""
     return value if 1 <= value <= store_messages.MAX_MESSAGE_ID else None
@@ -130,8 +155,10 @@ class Dashboard:
     clock: Callable[[], float] = time.monotonic
 
     def __post_init__(self) -> None:
-        self.history = History(self.options.chart_span, self.clock)
-        self._sampled = float("-inf")
+        self._samples: tuple[float, dict[str, list[GroupSample]]] | None = None
+        """The overview's last read of every group's samples, and when (`clock`)."""
+        self.writes_samples = True
+        """False once the database refused a sample (a role without INSERT on it)."""
         self._lock = threading.Lock()
         self._unavailable = 0  # reads failed with DatabaseUnavailable since the last success
         self._closing = threading.Event()
@@ -190,25 +217,39 @@ class Dashboard:
 
     def _overview(self, engine: Engine) -> dict[str, Any]:
         groups = self._status_all(engine).groups
-        self._maybe_sample(groups)
-        # the charts cover what has been watched (at least a minute), all groups alike
-        start = self.clock() - max(self.history.watched(), 60.0)
+        span = self.options.chart_span
+        samples = self._overview_samples(engine, span)
+        now = self._now(engine)
+        start, end = now.timestamp() - span, now.timestamp()
         rows = []
         for g in groups:
-            samples = self.history.samples(g.group)
+            found = samples.get(g.group, [])
             rows.append(
                 {
                     "status": g,
                     "live": g.live,
                     "oldest_ready": _span(g.oldest_ready_age_s),
                     "dead": self._dead_split(engine, g),
-                    "throughput": throughput(samples),
-                    "lag_points": lag(samples),
+                    "throughput": [(at.timestamp(), v) for at, v in _throughput(found)],
+                    "lag_points": [(s.at.timestamp(), float(s.lag)) for s in found],
                     "chart_start": start,
-                    "chart_end": self.clock(),
+                    "chart_end": end,
                 }
             )
-        return {"groups": rows, "watched": self.history.watched(), "now": self._now(engine)}
+        return {"groups": rows, "span": span, "now": now}
+
+    def _overview_samples(self, engine: Engine, span: float) -> dict[str, list[GroupSample]]:
+        """Every group's samples of the last `span`, read again at most every
+        `sample_every` seconds: they change once a minute, and the overview of 500
+        groups, updated every 2 s, read 30,000 rows each time."""
+        with self._lock:
+            kept = self._samples
+        if kept is not None and self.clock() - kept[0] < self.options.sample_every:
+            return kept[1]
+        found = store_samples.all_samples(engine, span)
+        with self._lock:
+            self._samples = (self.clock(), found)
+        return found
 
     def _dead_split(self, engine: Engine, g: GroupStatus) -> dict[str, int]:
         dead, b = g.counts.dead, g.breaker
@@ -217,16 +258,21 @@ class Dashboard:
             return {"dead": dead, "pending": 0, "real": dead}
         return monitor.dead_split(engine, g.group, self.options.max_refunds)
 
-    def _maybe_sample(self, groups: Sequence[GroupStatus]) -> None:
-        with self._lock:
-            if self.clock() - self._sampled < self.options.sample_every * 0.5:
-                return
-            self._sampled = self.clock()
-        self.history.record(groups)
-
-    def sample(self) -> None:
-        """One chart sample of every group (the sampler thread's beat)."""
-        self._maybe_sample(self.status_all().groups)
+    def sample(self) -> int:
+        """This minute's sample of every group that has none (the sampler thread's
+        beat); how many it wrote. Nothing once the database refused one."""
+        if not self.writes_samples:
+            return 0
+        try:
+            return self._within(store_samples.sample_every_group)
+        except PermissionDenied as exc:
+            self.writes_samples = False
+            logger.warning(
+                "web samples not written: the role may not (the charts show what members"
+                " write) error=%r",
+                str(exc),
+            )
+            return 0
 
     def run_sampler(self, stop: threading.Event) -> None:
         """Sample every `sample_every` seconds until `stop`; a failed read is logged
@@ -247,10 +293,12 @@ class Dashboard:
 
     # --- group, message ---------------------------------------------------------
 
-    def group(self, name: str, window: float | None = None) -> dict[str, Any]:
-        return self._within(self._group, name, window)
+    def group(self, name: str, window: float | None = None, span: float = 3600.0) -> dict[str, Any]:
+        return self._within(self._group, name, window, span)
 
-    def _group(self, engine: Engine, name: str, window: float | None) -> dict[str, Any]:
+    def _group(
+        self, engine: Engine, name: str, window: float | None, span: float
+    ) -> dict[str, Any]:
         status = monitor.read_status(engine, name, member_ttl=self.options.member_ttl)
         info = monitor.breaker_info(
             engine, name, history_limit=HISTORY_LIMIT, probe_limit=PROBE_LIMIT
@@ -259,12 +307,13 @@ class Dashboard:
             engine, name, self.options.max_refunds, member_ttl=self.options.member_ttl
         )
         now = self._now(engine)
+        truncated = len(info["history"]) >= HISTORY_LIMIT
+        samples = store_samples.group_samples(engine, name, span)
         return {
             "status": status,
             "breaker": info,
-            "timeline": timeline(
-                info, now=now, window=window, truncated=len(info["history"]) >= HISTORY_LIMIT
-            ),
+            "timeline": timeline(info, now=now, window=window, truncated=truncated),
+            "charts": _charts(samples, timeline(info, now=now, window=span, truncated=truncated)),
             "probe_limit": PROBE_LIMIT,
             "dead_split": split,
             "check": {"state": word, "line": line},

@@ -12,6 +12,7 @@ scripts/screenshots.py).
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import shutil
 from collections.abc import Iterator
@@ -20,10 +21,13 @@ from pathlib import Path
 import pytest
 from helpers import reap, wait_until
 from members import ConsumeProcesses, consume_processes
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, func, insert, select
 
 import pgq
-from pgq import monitor, schema
+from pgq import monitor
+from pgq import schema as t
+from pgq.store import group_info
+from pgq.store import samples as store_samples
 from pgq.web import WebOptions, WebServer, dashboard_server
 
 pytestmark = pytest.mark.slow
@@ -206,10 +210,14 @@ def test_an_operator_watches_an_outage_open_probe_close_and_refund(browser, memb
     )
     shoot(driver, tmp_path, "closed")
     assert driver.execute_script("return window.pgqNotReloaded === true"), "the page reloaded"
+    # the outage is shaded on each of the group's four charts
+    shaded = driver.find_elements("css selector", "#charts svg.chart")
+    assert len(shaded) == 4
+    assert all(svg.find_elements("css selector", "rect.shade.open") for svg in shaded)
 
     # a refunded message's page tells its story: the outage's failures, the refund
     # at the close, the breaker's epochs it lived through
-    a = schema.attempt
+    a = t.attempt
     with engine.connect() as conn:
         refunded_id = conn.execute(
             select(a.c.message_id).where(a.c.event == "refunded").limit(1)
@@ -227,8 +235,9 @@ def test_an_operator_watches_an_outage_open_probe_close_and_refund(browser, memb
 
     driver.get(web.url + "?all=1")
     wait_until(lambda: text_of(driver, 'tr[data-group="g"] .state') == "CLOSED", 10, "overview")
-    # the charts have the outage's samples (one a second here)
-    assert driver.find_elements("css selector", 'tr[data-group="g"] svg.spark polyline')
+    # the charts have the outage's samples (the minute's: a line, or a point alone)
+    drawn = 'tr[data-group="g"] svg.spark polyline, tr[data-group="g"] svg.spark circle'
+    assert driver.find_elements("css selector", drawn)
     shoot(driver, tmp_path, "overview-after")
     # nothing in the console through the whole outage: no CSP violation, script error
     # or failed update (the live updates ran every 0.5 s)
@@ -334,6 +343,7 @@ def test_no_page_logs_a_console_error(browser, engine):
         "?all=1",
         "groups/g",
         "groups/g?window=1m",
+        "groups/g?span=24h",
         f"groups/g/messages/{mid}",
         "login",
         "api/groups",
@@ -355,6 +365,71 @@ def test_no_page_logs_a_console_error(browser, engine):
         assert {page: lines for page, lines in found.items() if lines} == {}
     finally:
         server.close()
+
+
+def chart_points(driver, label: str) -> int | None:
+    """How many samples the chart named `label` draws (None while it is not there)."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+
+    try:
+        svg = driver.find_element("css selector", f'svg.chart[aria-label="{label}"]')
+        return int(svg.get_attribute("data-points"))
+    except (NoSuchElementException, StaleElementReferenceException):  # a live update swapped it
+        return None
+
+
+def test_the_charts_have_data_after_the_dashboard_restarts(browser, engine, tmp_path):
+    """Issue 23: the charts come from the samples the database keeps, so a dashboard
+    started again draws what was sampled before it (the overview's sparklines were
+    empty after every start, and the group page had no chart)."""
+    driver = browser
+    pgq.create_topic(engine, "t")
+    pgq.subscribe(engine, "g", "t")
+    pgq.publish_many(engine, "t", [{"i": i} for i in range(30)])
+    # the minute before, as a member of the group sampled it then (done: 0, lag: 10)
+    gid = group_info(engine, "g").id
+    with engine.begin() as conn:
+        then = conn.scalar(select(func.date_trunc("minute", func.now() - dt.timedelta(minutes=1))))
+        conn.execute(insert(t.group_sample).values(group_id=gid, at=then, done=0, lag=10, dead=0))
+    options = {"refresh": 0.5, "member_ttl": 1.5}
+    first = dashboard_server(engine, port=0, options=WebOptions(sample_every=0.2, **options))
+    first.start()
+    try:
+        driver.get(first.url + "groups/g")
+        wait_until(lambda: chart_points(driver, "lag of g") == 2, 10, "this minute's sample")
+        driver.get("about:blank")  # no live update of its page fails at the close
+    finally:
+        first.close()
+    console(driver)  # what the first dashboard's page logged is not the second's
+    sampled = store_samples.group_samples(engine, "g", 3600)
+    assert [s.lag for s in sampled] == [10, 30]
+
+    # no live update while the page is read below (its elements would go stale)
+    steady = {**options, "refresh": 3600.0}
+    second = dashboard_server(engine, port=0, options=WebOptions(sample_every=3600, **steady))
+    second.start()
+    try:
+        driver.get(second.url + "groups/g")
+        labels = ("throughput of g", "lag of g", "oldest ready age of g", "dead rows of g")
+        drawn = {label: chart_points(driver, label) for label in labels}
+        assert drawn == dict(zip(labels, (1, 2, 2, 2), strict=True)), drawn
+        lines = driver.find_elements("css selector", "#charts svg.chart polyline.line")
+        assert len(lines) == 3  # throughput is one rate: a point
+        assert all(
+            svg.size["width"] > 300 for svg in driver.find_elements("css selector", "svg.chart")
+        )
+        ticks = [
+            e.text for e in driver.find_elements("css selector", "#charts svg.chart text.tick")
+        ]
+        assert "30" in ticks and "0" in ticks  # the lag's value axis reaches its top
+        assert not driver.find_elements("css selector", "#no-samples")
+        shoot(driver, tmp_path, "charts-after-restart")
+        driver.get(second.url + "?all=1")
+        wait_until(lambda: text_of(driver, 'tr[data-group="g"] .lag') == "30", 10, "overview")
+        assert driver.find_elements("css selector", 'tr[data-group="g"] svg.spark polyline')
+        assert console(driver) == []
+    finally:
+        second.close()
 
 
 def test_live_updates_keep_the_readers_scroll_and_selection(browser, engine):

@@ -27,7 +27,7 @@ from sqlalchemy.sql import Executable
 
 import pgq
 from pgq.schema import SCHEMA_PLACEHOLDER
-from pgq.sql import admin, breaker, claim, frontier, members, outcomes, publish, status
+from pgq.sql import admin, breaker, claim, frontier, members, outcomes, publish, samples, status
 from pgq.store import GroupStore, run_once
 from pgq.store.admin import purge
 
@@ -206,6 +206,27 @@ STATEMENTS = [
         {"limit": 100, "from_epoch": 0, "close_epoch": 2, "max_refunds": 3, "member": "m1"},
         # one task today, but a wrong one: see the replica test below
         id="reconcile",
+    ),
+    # the charts' samples (decision 0045): a member's or the dashboard's, per group
+    pytest.param("due_sample", samples.due_sample, {}, id="sample-due"),
+    pytest.param(
+        "write_sample",
+        samples.write_sample,
+        {
+            "at": dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc),
+            "done": 1,
+            "lag": 2,
+            "dead": 0,
+            "oldest_ready_age_s": None,
+        },
+        id="sample-write",
+    ),
+    pytest.param("group_samples", samples.group_samples, {"span": 3600 * SECOND}, id="samples"),
+    pytest.param(
+        "delete_expired_samples",
+        samples.delete_expired_samples,
+        {"keep": 86400 * SECOND},
+        id="samples-expire",
     ),
 ]
 

@@ -151,6 +151,16 @@ SUITES: dict[str, tuple[float, list[str]]] = {
             f"{WEB}::test_a_hostile_dedupe_key_is_shown_visible_carried_exactly_and_requeued",
         ],
     ),
+    "chart_samples": (
+        60,
+        [
+            f"{INT}/test_samples.py::test_the_first_sample_of_a_minute_wins_and_holds_the_groups_numbers",
+            f"{INT}/test_samples.py::test_a_running_member_writes_its_groups_sample_and_retention_drops_old_ones",
+            f"{INT}/test_samples.py::test_unsubscribe_removes_the_groups_samples",
+            f"{INT}/test_samples.py::test_samples_are_read_by_span",
+            f"{INT}/test_web_charts.py::test_a_restarted_dashboard_draws_what_was_sampled_before_it",
+        ],
+    ),
     "history": (HISTORY_SECONDS + 90, ["tests/chaos/test_topics.py"]),
 }
 

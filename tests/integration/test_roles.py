@@ -33,6 +33,7 @@ from pgq.errors import PermissionDenied
 from pgq.sql.privileges import ADMIN_TABLES
 from pgq.store import purge, requeue
 from pgq.store.privileges import grant, grant_sql
+from pgq.store.samples import sample_every_group
 
 
 @pytest.fixture
@@ -367,6 +368,8 @@ def admin_refusals(role: Role, ids: list[int]) -> set[str]:
         "show": lambda: monitor.message(eng, "billing", ids[0]),
         "audit": lambda: monitor.audit(eng, "billing"),
         "topics": lambda: pgq.topics(eng),
+        # `pgq web`'s sampler: the minute's chart sample of each group (decision 0045)
+        "dashboard samples": lambda: sample_every_group(eng),
         "unsubscribe": lambda: pgq.unsubscribe(eng, "leaving", reason="roles"),
         "topic delete": lambda: pgq.delete_topic(eng, "spare", reason="roles"),
     }
@@ -405,7 +408,8 @@ def test_select_on_every_table_is_enough_to_inspect(orders, as_role, dead_ids, s
         conn.exec_driver_sql(f'GRANT USAGE ON SCHEMA "{schema}" TO {who}')
         conn.exec_driver_sql(f'GRANT SELECT ON ALL TABLES IN SCHEMA "{schema}" TO {who}')
     changes = {"requeue ids", "requeue class", "requeue all", "purge", "purge older"}
-    assert admin_refusals(role, dead_ids) == changes | {"unsubscribe", "topic delete"}
+    refused = changes | {"unsubscribe", "topic delete", "dashboard samples"}
+    assert admin_refusals(role, dead_ids) == refused
     assert pgq.status(orders, "billing")["counts"]["dead"] == 3
 
 

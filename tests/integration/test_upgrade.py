@@ -246,9 +246,11 @@ def test_init_keeps_each_role_able_to_do_its_job(
     removals = [(name, p) for name, ps in ADMIN_REMOVALS.items() for p in ps] if version < 5 else []
     # version 7: what publishing with dedupe keys needs (the column is new)
     keys = [("message.topic_id", "SELECT"), ("message.dedupe_key", "SELECT")] if version < 7 else []
+    # version 9: the charts' samples (decision 0045), a table no fixture has
+    samples = [("group_sample", p) for p in ("SELECT", "INSERT", "DELETE")] if version < 9 else []
     with (
-        consumer_role(pg_dsn, schema, without=added) as (consumer, consumer_dsn),
-        job_role(pg_dsn, schema, "admin", without=added + removals) as (admin, admin_dsn),
+        consumer_role(pg_dsn, schema, without=added + samples) as (consumer, consumer_dsn),
+        job_role(pg_dsn, schema, "admin", without=added + removals + samples) as (admin, admin_dsn),
         job_role(pg_dsn, schema, "producer", without=added + keys) as (producer, producer_dsn),
     ):
         # what an earlier version granted a consumer besides: the frontier and the
@@ -268,7 +270,8 @@ def test_init_keeps_each_role_able_to_do_its_job(
                     "SELECT has_table_privilege(:admin, :probe, 'INSERT'),"
                     " has_table_privilege(:admin, :state, 'UPDATE'),"
                     " has_table_privilege(:producer, :state, 'SELECT'),"
-                    " has_table_privilege(:consumer, :group, 'DELETE')"
+                    " has_table_privilege(:consumer, :group, 'DELETE'),"
+                    " has_table_privilege(:producer, :samples, 'SELECT')"
                 ),
                 {
                     "admin": admin,
@@ -277,9 +280,10 @@ def test_init_keeps_each_role_able_to_do_its_job(
                     "probe": f'"{schema}".probe',
                     "state": f'"{schema}".group_state',
                     "group": f'"{schema}".consumer_group',
+                    "samples": f'"{schema}".group_sample',
                 },
             ).one()
-        assert tuple(granted) == (False, False, False, False)
+        assert tuple(granted) == (False, False, False, False, False)
         eng = pgq.connect(producer_dsn, schema=schema)
         try:
             pgq.publish(eng, "t", {"n": 1})

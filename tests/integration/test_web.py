@@ -688,6 +688,8 @@ PAGES: list[tuple[str, str, int]] = [
     ("overview live", "/?live=1", 200),
     ("group", "/groups/g", 200),
     ("group live", "/groups/g?live=1", 200),
+    ("group charts of a day", "/groups/g?span=24h&window=1h", 200),
+    ("error: hostile span", "/groups/g?span={hostile}", 400),
     ("dead messages of class message", "/groups/g/messages?state=dead&class=message", 200),
     ("every message", "/groups/g/messages?order=desc&limit=500", 200),
     ("messages by hostile key", "/groups/g/messages?key={hostile}", 200),

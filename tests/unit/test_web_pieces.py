@@ -1,4 +1,4 @@
-"""The dashboard's pure pieces, exact: timeline, charts' history, the guard, escaping."""
+"""The dashboard's pure pieces, exact: timeline, sparklines, the guard, escaping."""
 
 from __future__ import annotations
 
@@ -11,12 +11,9 @@ pytest.importorskip("flask")
 
 from markupsafe import Markup
 
-from pgq.read_models import Counts, GroupBreaker, GroupStatus, Totals
-from pgq.records import BreakerState
 from pgq.web.app import _finalize
 from pgq.web.charts import sparkline
 from pgq.web.guard import Guard, host_allowed, same_origin
-from pgq.web.history import History, throughput
 from pgq.web.server import Limits
 from pgq.web.timeline import auto_window, timeline
 
@@ -116,46 +113,9 @@ def test_the_svg_escapes_member_names():
     assert "<script>" not in svg and "&lt;script&gt;" in svg
 
 
-def group_status(name: str, *, done: int, lag: int) -> GroupStatus:
-    """What a sample reads of a group: its name, `counts.done` and `lag`."""
-    return GroupStatus(
-        group=name,
-        topic="t",
-        committed=None,
-        counts=Counts(ready=lag, leased=0, done=done, dead=0, dead_systemic=0),
-        totals=Totals(reclaimed=0, released=0, refunded=0),
-        lag=lag,
-        breaker=GroupBreaker(
-            state=BreakerState.CLOSED,
-            since=None,
-            prober=None,
-            epoch=0,
-            next_probe_at=None,
-            reconciling=False,
-        ),
-        members=(),
-        frontier_held_by=None,
-    )
-
-
-def test_throughput_is_growth_per_second_never_negative():
-    clock = iter([0.0, 10.0, 20.0, 30.0]).__next__
-    h = History(span=3600, clock=clock)
-    for done in (100, 150, 150, 40):  # the last: the group was dropped and made again
-        h.record([group_status("g", done=done, lag=3)])
-    assert throughput(h.samples("g")) == [(10.0, 5.0), (20.0, 0.0), (30.0, 0.0)]
-
-
-def test_history_keeps_its_span_and_forgets_dropped_groups():
-    now = [0.0]
-    h = History(span=100, clock=lambda: now[0])
-    for t in range(0, 300, 10):
-        now[0] = float(t)
-        h.record([group_status("g", done=t, lag=0)])
-    assert h.samples("g")[0].at == 190.0
-    assert h.watched() == 100
-    h.record([])
-    assert h.samples("g") == []
+def test_a_sparkline_of_one_sample_is_a_point():
+    svg = sparkline([(10, 4.0)], start=0, end=20, width=104, height=34, label="x")
+    assert '<circle cx="52.0" cy="2.0" r="1.5"/>' in svg and "polyline" not in svg
 
 
 def test_sparkline_scales_to_its_maximum():
