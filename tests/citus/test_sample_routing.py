@@ -16,10 +16,9 @@ import re
 import uuid
 
 import psycopg
-from helpers import CITUS_DSN, FAST, citus_marks, wait_until
+from helpers import CITUS_DSN, FAST, STRICT_CITUS_DSN, citus_marks, wait_until
 from psycopg import sql
 from sqlalchemy import func, insert, select, text
-from test_ordered_routing import STRICT, with_options
 
 import pgq
 from pgq import schema as t
@@ -32,7 +31,7 @@ pytestmark = citus_marks()
 def test_members_and_the_sampler_write_and_prune_samples_one_task_each(caplog):
     schema = f"pgq_smp_{os.getpid()}_{uuid.uuid4().hex[:6]}"
     engine = pgq.connect(CITUS_DSN, schema=schema, pool_size=2)
-    strict = pgq.connect(with_options(CITUS_DSN, STRICT), schema=schema, pool_size=4)
+    strict = pgq.connect(STRICT_CITUS_DSN, schema=schema, pool_size=4)
     try:
         pgq.migrate(engine, distributed=True)
         pgq.create_topic(engine, "t")
