@@ -125,7 +125,7 @@ SUITES: dict[str, tuple[float, list[str]]] = {
         ],
     ),
     "group_lifecycle": (
-        60,
+        120,
         [
             f"{INT}/test_lifecycle.py",
             f"{INT}/test_audit_trail.py::test_a_requeue_or_purge_that_matched_nothing_writes_no_audit_row",
