@@ -61,6 +61,14 @@ class XID8(UserDefinedType[str]):
         return "xid8"
 
 
+XID_SPACE = "(pg_catalog.pg_control_system()).system_identifier"
+"""The xid space of the server that evaluates it: its system identifier, fixed at
+`initdb` (a physical standby shares its primary's, and its xids). Written as an
+expression, not a subquery, so that Citus ships it to the worker that holds a
+group's shard inside a routed SELECT (decision 0047); Citus evaluates it on the
+coordinator in an INSERT's values or an UPDATE's SET, so it is never written there."""
+
+
 def _tstz() -> TIMESTAMP:
     return TIMESTAMP(timezone=True)
 
@@ -153,6 +161,11 @@ group_state = Table(
     # the contiguity frontier: every delivery row at or below (xid, id) is resolved
     Column("committed_xid", XID8(), nullable=False, server_default=text("'0'::xid8")),
     Column("committed_id", BigInteger),
+    # the xid space the frontier counts in: the system identifier of the server that
+    # holds the group's rows, set by the group's first advance (schema version 10).
+    # Another value than the server's own means the rows came from elsewhere (a Citus
+    # shard move, a restore): the frontier starts again in its xids (decision 0047)
+    Column("xid_space", BigInteger),
     # finished rows gone from `delivery`: deleted by the ack that finished them, or
     # (the one row an ack keeps per batch, and rows of earlier versions' members)
     # pruned behind the frontier (decision 0037)

@@ -185,6 +185,7 @@ def wait_for_frontier(
     while True:
         if gid is not None:
             with engine.begin() as conn:
+                conn.execute(frontier_sql.rebase_frontier(), {"gid": gid})
                 conn.execute(frontier_sql.advance_frontier(), {"gid": gid})
         status = pgq.status(engine, group)
         if status["committed"] == target:
@@ -407,6 +408,16 @@ def run_machine(
     finally:
         print("exercised:", dict(sorted(seen.items())))
         engine.dispose()
+
+
+def store_of(
+    engine: Engine, group: str = "g", member: str = "m", lease: float = 30.0
+) -> GroupStore:
+    """Group `group`'s statements as member `member` runs them (not joined)."""
+    info = group_info(engine, group)
+    return GroupStore(
+        info.id, group, info.topic, member, lease, 3, topic_id=info.topic_id, ordered=info.ordered
+    )
 
 
 CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")

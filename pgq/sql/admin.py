@@ -45,6 +45,7 @@ from sqlalchemy.sql import ColumnElement, Executable, Insert, Select
 
 from pgq import schema as t
 from pgq.records import BreakerState, ErrorClass, Start
+from pgq.sql.frontier import SPACE
 from pgq.sql.messages import delivery_matches, message_matches
 from pgq.sql.refunds import charged_within
 
@@ -460,6 +461,7 @@ def message_in_group() -> Select[Any]:
     )
     behind = and_(
         gs.c.committed_id.is_not(None),
+        gs.c.xid_space == SPACE,  # a frontier from another xid space promises nothing
         case(
             (xid.is_(None), mid <= gs.c.committed_id),
             else_=tuple_(xid, mid) <= tuple_(gs.c.committed_xid, gs.c.committed_id),

@@ -27,6 +27,7 @@ from sqlalchemy import (
     false,
     func,
     literal_column,
+    null,
     select,
     tuple_,
     update,
@@ -61,6 +62,14 @@ def _unresolved() -> ColumnElement[bool]:
     """
     return func.coalesce(d.c.state.in_([t.READY, t.LEASED]), false())
 
+
+SPACE = literal_column(t.XID_SPACE, BigInteger)
+"""The xid space of the server that runs the statement (decision 0047): on Citus the
+worker that holds the group's shard, where a routed statement evaluates it."""
+
+FROZEN = literal_column("'2'", t.XID8())
+"""The xid a rebase gives rows that came from another xid space: below every
+snapshot's xmin (PostgreSQL's own FrozenTransactionId), so committed to the frontier."""
 
 ZERO = literal_column("0", BigInteger)
 ONE = literal_column("1", Integer)
@@ -104,7 +113,7 @@ def advance_frontier() -> Executable:
     gid = bindparam("gid", type_=Integer)
     here = (
         select(gs.c.committed_xid.label("cx"), func.coalesce(gs.c.committed_id, ZERO).label("cid"))
-        .where(gs.c.group_id == gid)
+        .where(gs.c.group_id == gid, gs.c.xid_space == SPACE)
         .with_for_update(skip_locked=True)
         .cte("here")
     )
@@ -139,7 +148,66 @@ def advance_frontier() -> Executable:
         .returning(gs.c.group_id)
         .cte("moved")
     )
-    return select(select(here).exists().label("held"), pruned.label("pruned")).add_cte(moved)
+    elsewhere = (
+        select(gs.c.group_id)
+        .where(gs.c.group_id == gid, gs.c.xid_space.is_distinct_from(SPACE))
+        .exists()
+    )
+    return select(
+        select(here).exists().label("held"), pruned.label("pruned"), elsewhere.label("moved")
+    ).add_cte(moved)
+
+
+@cache
+def rebase_frontier() -> Executable:
+    """Start the frontier of `:gid` again in this server's xid space, when it counts
+    in another's (decision 0047); returns one row: `rebased` (false when it already
+    counted here: another member rebased it first), `was`, the space it counted in
+    (None for a group that had not advanced yet), and `rows`, the rows given
+    `FROZEN`.
+
+    A group's rows keep the xids they were written with when Citus moves its shard
+    to another node (or a dump is restored on another server), and that node counts
+    its own: rows written there after the move can fall behind the old frontier
+    while still ready, and moved rows can look uncommitted there (xid above its
+    xmin) for as long as its counter takes to catch up. Every row this statement
+    sees is committed (rows of transactions still open are invisible to it and keep
+    their own, local, xid, at or above its xmin), so the ones at or above its
+    snapshot's xmin get `FROZEN`, and the frontier goes back to the start (every row
+    past it): the next advance walks the group's rows again and passes only resolved
+    ones. One statement with a SELECT on top, like the advance, so that Citus ships
+    it whole to the group's node and `SPACE` and the xmin are that node's.
+    """
+    gid = bindparam("gid", type_=Integer)
+    here = (
+        select(
+            gs.c.group_id, gs.c.xid_space.label("was"), SPACE.label("space"), _xmin().label("xmin")
+        )
+        .where(gs.c.group_id == gid, gs.c.xid_space.is_distinct_from(SPACE))
+        .with_for_update()
+        .cte("here")
+    )
+    frozen = (
+        update(d)
+        .where(d.c.group_id == gid, d.c.xid >= select(here.c.xmin).scalar_subquery())
+        .values(xid=FROZEN)
+        .returning(d.c.message_id)
+        .cte("frozen")
+    )
+    reset = (
+        update(gs)
+        .where(gs.c.group_id == gid, select(here).exists())
+        .values(
+            committed_xid=literal_column("'0'", t.XID8()),
+            committed_id=null(),
+            xid_space=select(here.c.space).scalar_subquery(),
+        )
+        .returning(gs.c.group_id)
+        .cte("reset")
+    )
+    rows = select(func.count()).select_from(frozen).scalar_subquery()
+    was = select(here.c.was).scalar_subquery()
+    return select(select(reset).exists().label("rebased"), was.label("was"), rows.label("rows"))
 
 
 def _prune(*where: ColumnElement[bool]) -> ScalarSelect[int]:

@@ -64,8 +64,25 @@ class Housekeeping(GroupScope):
         One statement, so the decision comes from one snapshot (see
         `frontier_sql.advance_frontier`)."""
         conn.execute(frontier_sql.without_jit())
-        held, pruned = conn.execute(frontier_sql.advance_frontier(), {"gid": self.gid}).one()
+        held, pruned, moved = conn.execute(frontier_sql.advance_frontier(), {"gid": self.gid}).one()
+        if moved:
+            self._rebase_frontier(conn)
+            held, pruned, _ = conn.execute(frontier_sql.advance_frontier(), {"gid": self.gid}).one()
         return int(pruned) if held else None
+
+    def _rebase_frontier(self, conn: Connection) -> None:
+        """Start the frontier again in this server's xid space: the group's rows came
+        from another server (`frontier_sql.rebase_frontier`, decision 0047)."""
+        rebased, was, rows = conn.execute(frontier_sql.rebase_frontier(), {"gid": self.gid}).one()
+        if rebased and was is not None:
+            logger.warning(
+                "frontier started again in this server's xids: the group's rows were"
+                " written on another server (a shard move, a restore) group=%s was=%s"
+                " rows=%d",
+                self.group,
+                was,
+                rows,
+            )
 
     def prune_behind(self, conn: Connection) -> int:
         """Prune done rows that finished behind the frontier after it passed them."""

@@ -62,7 +62,7 @@ def _v4_group_state(conn: Connection) -> None:
     schema = schema_of(conn)
     params = {"schema": schema, "table": t.consumer_group.name}
     columns = set(conn.execute(upgrade.columns_of(), params).scalars())
-    moved = [c.name for c in t.group_state.c if c.name != "group_id"]
+    moved = list(upgrade.MOVED_TO_GROUP_STATE)
     if set(moved) <= columns:
         conn.execute(upgrade.copy_group_state(moved))
         conn.execute(upgrade.drop_columns(_qualified(conn, t.consumer_group), moved))
@@ -165,6 +165,25 @@ def _v9_history_and_samples(conn: Connection) -> None:
     _group_samples(conn)
 
 
+def _v10_xid_space(conn: Connection) -> None:
+    # Each group's frontier names the xid space it counts in (decision 0047), so that
+    # a group whose rows moved to another server (a Citus shard move, a restore)
+    # starts its frontier again there instead of stalling or passing new rows.
+    # Existing groups get the space of the server that holds them now (else each
+    # group's next advance would start its frontier again): on Citus each shard's node.
+    # (A schema from before version 4 got the column with its `group_state` table.)
+    rows = {"schema": schema_of(conn), "table": t.group_state.name}
+    qualified = _qualified(conn, t.group_state)
+    if "xid_space" not in set(conn.execute(upgrade.columns_of(), rows).scalars()):
+        conn.execute(upgrade.add_group_xid_space(qualified))
+    if placement.distributed(conn):
+        failed = conn.scalar(upgrade.name_xid_space_on_shards(), {"table": qualified})
+        if failed:
+            raise PgqError(f"naming the xid space of {qualified} failed on {failed} shards")
+    else:
+        conn.execute(upgrade.name_xid_space(qualified))
+
+
 def _attempt_history(conn: Connection) -> None:
     # Every message's recent history in a group (decision 0046): the `attempt` table
     # and, on each delivery row, the count of lines it has written. Rows that exist
@@ -221,6 +240,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection], None]], ...] = (
     (7, "messages carry a dedupe key, unique per topic", _v7_dedupe_key),
     (8, "ordered groups: the group's flag, its rows' keys", _v8_ordered_groups),
     (9, "every message's recent history; the charts' samples", _v9_history_and_samples),
+    (10, "a group's frontier names its xid space", _v10_xid_space),
 )
 LATEST = MIGRATIONS[-1][0]
 

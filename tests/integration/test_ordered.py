@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
-from helpers import FAST, assert_usage_error, invoke, set_rows
+from helpers import FAST, assert_usage_error, invoke, set_rows, store_of
 from sqlalchemy import Engine, select, text, update
 
 import pgq
@@ -23,7 +23,6 @@ from pgq import schema as t
 from pgq.errors import UsageError
 from pgq.records import Claimed, Outcome, OutcomeKind
 from pgq.store import GroupStore
-from pgq.store.topics import group_info
 
 JOIN = 60.0
 """Seconds the consumers of a test may take to drain."""
@@ -32,15 +31,6 @@ JOIN = 60.0
 @pytest.fixture
 def orders_groups() -> tuple[str, ...]:
     return ()
-
-
-def store_of(
-    engine: Engine, group: str = "g", member: str = "m", lease: float = 30.0
-) -> GroupStore:
-    info = group_info(engine, group)
-    return GroupStore(
-        info.id, group, info.topic, member, lease, 3, topic_id=info.topic_id, ordered=info.ordered
-    )
 
 
 HELD: dict[int, Claimed] = {}

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from helpers import FAST, wait_until
+from helpers import FAST, store_of, wait_until
 from sqlalchemy import Connection, Engine, Text, cast, func, select, text, tuple_, update
 
 import pgq
@@ -239,11 +239,6 @@ def orphans(engine: Engine) -> list[tuple[int, int, str]]:
         rows = conn.execute(select(d.c.group_id, d.c.message_id, d.c.state)).all()
         kept = set(conn.scalars(select(m.c.id)))
     return [(gid, mid, state) for gid, mid, state in rows if mid not in kept]
-
-
-def store_of(engine: Engine, group: str, member: str = "racer") -> GroupStore:
-    info = group_info(engine, group)
-    return GroupStore(info.id, group, info.topic, member, 30.0, 3)
 
 
 def topic_id_of(engine: Engine, topic: str) -> int:
