@@ -159,6 +159,29 @@ def advance_frontier() -> Executable:
 
 
 @cache
+def name_xid_space() -> Executable:
+    """Name the xid space of group `:gid`'s frontier, not named yet, as this server's
+    (schema version 10: the groups that exist count in the xids of the server that
+    holds them); returns how many it named. A SELECT on top like the advance, so that
+    on Citus `SPACE` is the group's node's."""
+    gid = bindparam("gid", type_=Integer)
+    here = (
+        select(gs.c.group_id, SPACE.label("space"))
+        .where(gs.c.group_id == gid, gs.c.xid_space.is_(None))
+        .with_for_update()
+        .cte("here")
+    )
+    named = (
+        update(gs)
+        .where(gs.c.group_id == gid, select(here).exists())
+        .values(xid_space=select(here.c.space).scalar_subquery())
+        .returning(gs.c.group_id)
+        .cte("named")
+    )
+    return select(func.count()).select_from(named)
+
+
+@cache
 def rebase_frontier() -> Executable:
     """Start the frontier of `:gid` again in this server's xid space, when it counts
     in another's (decision 0047); returns one row: `rebased` (false when it already

@@ -97,24 +97,9 @@ def add_delivery_events(qualified: str) -> TextClause:
 
 def add_group_xid_space(qualified: str) -> TextClause:
     """Schema version 10: the xid space of each group's frontier (`qualified`: the
-    group_state table, quoted and schema-qualified); NULL until `name_xid_space`."""
+    group_state table, quoted and schema-qualified); NULL until
+    `pgq.sql.frontier.name_xid_space`."""
     return text(f"ALTER TABLE {qualified} ADD COLUMN xid_space bigint")
-
-
-def name_xid_space(qualified: str) -> TextClause:
-    """Schema version 10: every existing group's frontier counts in the xids of the
-    server that holds it (`qualified` as above), on one server."""
-    return text(f"UPDATE {qualified} SET xid_space = {t.XID_SPACE} WHERE xid_space IS NULL")
-
-
-def name_xid_space_on_shards() -> TextClause:
-    """`name_xid_space` on Citus: run on each shard of `:table` (a qualified name) by
-    the worker that holds it, so that each group gets its own node's space."""
-    return text(
-        "SELECT count(*) FROM pg_catalog.run_command_on_shards(CAST(:table AS regclass),"
-        f" 'UPDATE %s SET xid_space = {t.XID_SPACE} WHERE xid_space IS NULL')"
-        " WHERE NOT success"
-    )
 
 
 def index_as_declared() -> Executable:

@@ -17,6 +17,7 @@ from sqlalchemy.schema import CreateSchema
 
 from pgq import schema as t
 from pgq.errors import PgqError, UsageError
+from pgq.sql import frontier as frontier_sql
 from pgq.sql import placement as place
 from pgq.sql import privileges as privileges_sql
 from pgq.sql import upgrade
@@ -170,18 +171,15 @@ def _v10_xid_space(conn: Connection) -> None:
     # a group whose rows moved to another server (a Citus shard move, a restore)
     # starts its frontier again there instead of stalling or passing new rows.
     # Existing groups get the space of the server that holds them now (else each
-    # group's next advance would start its frontier again): on Citus each shard's node.
-    # (A schema from before version 4 got the column with its `group_state` table.)
+    # group's next advance would start its frontier again), one routed statement per
+    # group: on Citus each group's node's. (A schema from before version 4 got the
+    # column with its `group_state` table.)
     rows = {"schema": schema_of(conn), "table": t.group_state.name}
     qualified = _qualified(conn, t.group_state)
     if "xid_space" not in set(conn.execute(upgrade.columns_of(), rows).scalars()):
         conn.execute(upgrade.add_group_xid_space(qualified))
-    if placement.distributed(conn):
-        failed = conn.scalar(upgrade.name_xid_space_on_shards(), {"table": qualified})
-        if failed:
-            raise PgqError(f"naming the xid space of {qualified} failed on {failed} shards")
-    else:
-        conn.execute(upgrade.name_xid_space(qualified))
+    for gid in conn.scalars(select(t.consumer_group.c.id)).all():
+        conn.execute(frontier_sql.name_xid_space(), {"gid": gid})
 
 
 def _attempt_history(conn: Connection) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 from fixtures.released import restore
-from helpers import CITUS_DSN, citus_marks, invoke
+from helpers import CITUS_DSN, citus_marks, invoke, store_of
 from psycopg import sql
 
 import pgq
@@ -226,5 +226,48 @@ def test_a_distributed_version_3_is_upgraded_in_place(citus_schema: str):
                 ).format(s)
             ).fetchall()
         assert state == [(7, 7, 3)]
+    finally:
+        engine.dispose()
+
+
+def test_a_distributed_version_9_names_each_groups_space_with_its_worker(citus_schema: str):
+    """Schema version 10 on a placed schema: each existing group's frontier is named
+    with the system identifier of the worker that holds its shard (not the
+    coordinator's), so that no group's next advance starts its frontier again."""
+    engine = pgq.connect(CITUS_DSN, schema=citus_schema, pool_size=None)
+    s = sql.Identifier(citus_schema)
+    try:
+        pgq.migrate(engine, distributed=True)
+        pgq.create_topic(engine, "t")
+        for group in ("g1", "g2", "g3", "g4"):
+            pgq.subscribe(engine, group, "t")
+        with psycopg.connect(CITUS_DSN, autocommit=True) as conn:  # as version 9 left it
+            conn.execute(
+                sql.SQL("UPDATE {}.group_state SET committed_xid = '5', committed_id = 3").format(s)
+            )
+            conn.execute(sql.SQL("ALTER TABLE {}.group_state DROP COLUMN xid_space").format(s))
+            conn.execute(sql.SQL("DELETE FROM {}.schema_version WHERE version = 10").format(s))
+        assert pgq.migrate(engine) == LATEST
+        with psycopg.connect(CITUS_DSN) as conn:
+            spaces = dict(
+                conn.execute(
+                    "SELECT nodeport, result::bigint FROM pg_catalog.run_command_on_workers("
+                    "'SELECT system_identifier FROM pg_control_system()')"
+                ).fetchall()
+            )
+            named = conn.execute(
+                sql.SQL(
+                    "SELECT g.group_id, g.xid_space, s.nodeport FROM {}.group_state g"
+                    " JOIN pg_catalog.citus_shards s ON s.shardid ="
+                    " pg_catalog.get_shard_id_for_distribution_column(%s::regclass, g.group_id)"
+                ).format(s),
+                [f"{citus_schema}.group_state"],
+            ).fetchall()
+        assert len(named) == 4 and len({port for _, _, port in named}) == 2, named
+        assert all(space == spaces[port] for _, space, port in named), (named, spaces)
+        store = store_of(engine, "g1")
+        with engine.begin() as conn:
+            store.advance_frontier(conn)
+        assert pgq.status(engine, "g1")["committed"] == 3  # not started again
     finally:
         engine.dispose()
