@@ -81,6 +81,7 @@ class Record:
     retention: list[RetentionPass] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     conflicts: list[str] = field(default_factory=list)  # publishes refused and retried
+    refused_at: list[float] = field(default_factory=list)  # when each of them failed
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, what: Published | Subscription | RetentionPass) -> None:
@@ -246,6 +247,7 @@ class Drivers:
         it committed, so nothing is recorded as published; the driver goes on."""
         with self.record.lock:
             self.record.conflicts.append(f"{name}: {type(exc).__name__}: {exc}".splitlines()[0])
+            self.record.refused_at.append(time.time())
         self._pause(0.1)
 
     def _publish_plain(self, name: str, count: int, interval: float) -> None:

@@ -13,8 +13,11 @@ in the same snapshot, the ready or leased rows at or behind it. Any such row is 
 
 The statement names only the group's rows, so on Citus it is routed to the node
 that holds the group's shard and sees one snapshot there: the frontier's own
-(decision 0023 §5). The position is read from `group_state` when the schema has
-it (the Citus rewrite), else from `consumer_group`.
+(decision 0023 §5). A position counts in the xids of the server that holds the
+group (`xid_space`, decision 0047): one in another server's space (a shard that
+just moved, not yet rebased by the group's next advance) promises nothing and is
+not sampled, and positions are compared only within one space (a move starts the
+frontier again in the new node's xids).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from pgq import schema as t
 from pgq.store.engine import schema_of
 
 _SAMPLE = """
-SELECT f.committed_xid::text AS cx, f.committed_id AS cid,
+SELECT f.committed_xid::text AS cx, f.committed_id AS cid, f.xid_space::text AS space,
+       f.xid_space IS NOT DISTINCT FROM (pg_catalog.pg_control_system()).system_identifier
+           AS here,
        ARRAY(SELECT d.message_id::text || ' ' || d.state::text || ' xid ' || d.xid::text
              FROM {schema}.delivery d
              WHERE d.group_id = :gid AND d.state IN ('ready', 'leased')
@@ -64,10 +69,13 @@ class FrontierWatch:
         self.interval = interval
         self.samples = 0
         self.advanced: dict[str, int] = {}  # group -> samples that saw it moved on
+        self.rebased: dict[str, int] = {}  # group -> samples that saw it in a new xid space
+        self.longest_still: dict[str, float] = {}  # group -> longest seconds it did not move
+        self._moved_at: dict[str, float] = {}
         self.violations: list[str] = []
         self.moved_back: list[str] = []
         self.errors: list[str] = []
-        self._last: dict[str, tuple[int, int]] = {}
+        self._last: dict[str, tuple[str, tuple[int, int]]] = {}  # group -> space, position
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="chaos-frontier", daemon=True)
 
@@ -86,13 +94,25 @@ class FrontierWatch:
         self.samples += 1
         if row is None:
             return
+        if not row.here:  # another server's position: the next advance starts it again
+            self._last[group] = ("elsewhere", self._last.get(group, ("", (0, 0)))[1])
+            return
         now = (int(row.cx), int(row.cid))
-        last = self._last.get(group)
+        space, last = self._last.get(group, (row.space, None))
+        if space != row.space:
+            self.rebased[group] = self.rebased.get(group, 0) + 1
+            last = None
         if last is not None and now < last:
             self.moved_back.append(f"{group}: frontier moved back from {last} to {now}")
-        if last is not None and now > last:
-            self.advanced[group] = self.advanced.get(group, 0) + 1
-        self._last[group] = max(now, last or now)
+        if last is None or now > last:  # moved on (or started again in a new space)
+            at = time.monotonic()
+            if last is not None:
+                self.advanced[group] = self.advanced.get(group, 0) + 1
+            if group in self._moved_at:
+                still = at - self._moved_at[group]
+                self.longest_still[group] = max(self.longest_still.get(group, 0.0), still)
+            self._moved_at[group] = at
+        self._last[group] = (row.space, max(now, last or now))
         if row.behind:
             self.violations.append(
                 f"{group}: frontier (xid {now[0]}, id {now[1]}) at {time.time():.2f}"
@@ -138,10 +158,11 @@ class FrontierWatch:
 
     def describe(self) -> str:
         moved = ", ".join(f"{g}={n}" for g, n in sorted(self.advanced.items())) or "none"
-        last = ", ".join(f"{g}=id {pos[1]}" for g, pos in sorted(self._last.items())) or "none"
+        last = ", ".join(f"{g}=id {pos[1][1]}" for g, pos in sorted(self._last.items())) or "none"
+        still = ", ".join(f"{g}={s:.1f}s" for g, s in sorted(self.longest_still.items())) or "none"
         return (
             f"frontier watch: samples={self.samples} advances seen: {moved}"
-            f" last positions: {last}"
+            f" last positions: {last} longest still: {still}"
             f" violations={len(self.violations)} moved_back={len(self.moved_back)}"
             f" errors={len(self.errors)}"
         )

@@ -503,6 +503,7 @@ def check(
     settled: bool = True,
     frontier: FrontierWatch | None = None,
     effects: Mapping[str, str] | None = None,
+    blocked: Sequence[tuple[float, float]] = (),
 ) -> Summary:
     """Check the history of `topic` (see the module docstring); never raises on a
     finding, returns them in the `Summary`.
@@ -512,6 +513,9 @@ def check(
     has been drained, so nothing may be ready, leased or lagging. `frontier`: a
     watch that sampled the run (stopped by now); its findings join the verdict.
     `effects`: the transactional groups' effect tables (`create_effects`).
+    `blocked`: spans of wall time (`time.time()`) in which the cluster blocked writes
+    on purpose (a shard move): a publish refused then (its statement timed out
+    waiting) is a note, not a problem; nothing of it committed.
     """
     pubs: dict[int, Published | None] = {}
     if record is not None:
@@ -524,10 +528,17 @@ def check(
     if record is not None and record.errors:
         summary.problems.append(f"drivers failed: {record.errors}")
     if record is not None and record.conflicts:
-        summary.problems.append(
-            f"{len(record.conflicts)} publishes refused (deadlock or timeout), e.g."
-            f" {record.conflicts[:3]}"
-        )
+        during = [
+            any(start <= at <= end for start, end in blocked)
+            for at in record.refused_at or [0.0] * len(record.conflicts)
+        ]
+        if any(during):
+            summary.notes.append(f"{sum(during)} publishes refused while the cluster moved shards")
+        if not all(during):
+            refused = [c for c, moved in zip(record.conflicts, during, strict=True) if not moved]
+            summary.problems.append(
+                f"{len(refused)} publishes refused (deadlock or timeout), e.g. {refused[:3]}"
+            )
     if record is not None and record.retention:
         summary.retained = len(record.deleted())
         if not summary.retained:

@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from helpers import wait_until
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine, text, update
 
 import pgq
+from pgq import schema as t
 from pgq.store.engine import schema_of
 
 from . import history
@@ -23,7 +24,8 @@ def set_frontier(engine: Engine, group: str, message_id: int) -> None:
         conn.execute(
             text(
                 f'UPDATE "{schema}".{table} f'
-                " SET committed_xid = d.xid, committed_id = d.message_id"
+                " SET committed_xid = d.xid, committed_id = d.message_id,"
+                " xid_space = (pg_catalog.pg_control_system()).system_identifier"
                 f' FROM "{schema}".delivery d, "{schema}".consumer_group g'
                 f" WHERE g.name = :group AND f.{key} = g.id AND d.group_id = g.id"
                 " AND d.message_id = :mid"
@@ -60,6 +62,29 @@ def test_the_watch_catches_a_frontier_past_a_ready_row_and_one_moving_back(
 
     summary = history.check(engine, "orders", out, published=ids, settled=False, frontier=watch)
     assert not summary.ok and len(summary.frontier) == 3, summary
+
+
+def test_the_watch_takes_a_new_xid_space_for_a_new_start_and_skips_another_servers(
+    engine: Engine,
+) -> None:
+    pgq.create_topic(engine, "orders")
+    pgq.subscribe(engine, "billing", "orders")
+    ids = pgq.publish_many(engine, "orders", [{"n": i} for i in range(3)])
+    d = t.delivery
+    with engine.begin() as conn:
+        conn.execute(update(d).values(state="done"))
+    watch = FrontierWatch(engine, ["billing"])
+    set_frontier(engine, "billing", ids[2])
+    sample(watch, engine)
+    with engine.begin() as conn:  # as a shard move leaves it: another server's position
+        conn.execute(update(t.group_state).values(xid_space=42))
+        conn.execute(update(d).where(d.c.message_id == ids[0]).values(state="ready"))
+    sample(watch, engine)  # promises nothing: not a violation
+    with engine.begin() as conn:
+        conn.execute(update(d).where(d.c.message_id == ids[0]).values(state="done"))
+    set_frontier(engine, "billing", ids[0])  # started again here: not a move back
+    sample(watch, engine)
+    assert (watch.violations, watch.moved_back, watch.rebased) == ([], [], {"billing": 1})
 
 
 def test_the_watch_thread_samples_every_group_and_stops(engine: Engine) -> None:

@@ -19,6 +19,7 @@ transactions that commit out of id order) and a retention pass every second.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from sqlalchemy import Engine
 
 import pgq
 
-from . import history
+from . import growth, history
 from .drivers import Drivers, Record
 from .frontier import FrontierWatch
 from .procs import CHAOS_SETTINGS, InProcessMembers, Member, Members
@@ -37,6 +38,11 @@ from .proxy import Proxy
 
 SECONDS = float(os.environ.get("CHAOSQ_TOPICS_SECONDS") or (35 if DISTRIBUTED else 0))
 """How long the chaos lasts (0: skip)."""
+
+GROWTH = os.environ.get("CHAOSQ_GROWTH", "")
+"""On Citus, what the cluster does a third into the run (`tests/citus/test_growth.py`):
+`move` moves the shard of group `taa` to the other worker (after making the node it
+leaves run ahead of it in xids), `add:<host>:<port>` adds that node and rebalances."""
 
 CYCLE = 10.0
 LEASE = float(CHAOS_SETTINGS["PGQ_LEASE"])
@@ -47,7 +53,7 @@ STATEMENT_TIMEOUT = 10.0
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.timeout(SECONDS * 1.3 + 150),
+    pytest.mark.timeout(SECONDS * 1.3 + (300 if GROWTH else 150)),
     pytest.mark.skipif(
         SECONDS <= 0,
         reason="CHAOSQ_TOPICS_SECONDS is not set (nor PGQ_TEST_DISTRIBUTED=1): the two-topic"
@@ -58,6 +64,27 @@ pytestmark = [
 
 def groups_of(topic: str) -> list[str]:
     return [f"{topic}{g}" for g in "abc"]
+
+
+def grow(
+    engine: Engine, dsn: str, how: str, notes: list[str], blocked: list[tuple[float, float]]
+) -> None:
+    """Change the cluster under the run as `GROWTH` says; what it did goes to `notes`,
+    when (wall time, with a statement timeout after it) to `blocked`."""
+    time.sleep(SECONDS / 3)
+    began = time.monotonic()
+    start = time.time()
+    try:
+        if how == "move":
+            did = growth.move_group_shard(engine, dsn, "taa")
+        else:
+            _, host, port = how.split(":")
+            did = growth.add_node_and_rebalance(engine, host, int(port))
+        notes.append(f"growth: {did} in {time.monotonic() - began:.1f}s")
+    except Exception as exc:
+        notes.append(f"PROBLEM growth {how}: {type(exc).__name__}: {exc}")
+    finally:
+        blocked.append((start, time.time() + STATEMENT_TIMEOUT))
 
 
 def faults(engine: Engine, members: Members, proxy: Proxy, notes: list[str]) -> None:
@@ -111,6 +138,7 @@ def test_two_topics_three_groups_nothing_lost_and_the_frontier_never_passes(
         members.wait_live(engine, f"{topic}a", [f"{topic}a-1", f"{topic}a-2"], TTL, timeout=30)
 
     notes: list[str] = []
+    blocked: list[tuple[float, float]] = []  # when the cluster moved shards (GROWTH)
     records: dict[str, Record] = {}
     # a publish that waits on a lock forever (on Citus today: behind the same thread's
     # other open transaction, 0023 §3.4) fails after a while, so the run stays bounded
@@ -124,7 +152,14 @@ def test_two_topics_three_groups_nothing_lost_and_the_frontier_never_passes(
             for d in drivers:
                 d.publish(threads=2, tx_threads=1, interval=0.05)
                 d.retain(interval=1.0)
+            growing = threading.Thread(
+                target=grow, args=(engine, pg_dsn, GROWTH, notes, blocked), name="grow"
+            )
+            if GROWTH:
+                growing.start()
             faults(engine, members, proxy, notes)
+            if GROWTH:
+                growing.join(SECONDS * 3)
             for topic, d in zip(TOPICS, drivers, strict=True):
                 try:
                     records[topic] = d.wait(timeout=30)
@@ -137,6 +172,7 @@ def test_two_topics_three_groups_nothing_lost_and_the_frontier_never_passes(
                 d.stop()
             bounded.dispose()
         chaos_done = time.monotonic()
+        notes.append(f"frontier watch: started again in a new xid space {watch.rebased}")
 
         # stop everyone gracefully, then drain every group with `--until-empty`
         running = members.live()
@@ -170,6 +206,7 @@ def test_two_topics_three_groups_nothing_lost_and_the_frontier_never_passes(
             member_ttl=TTL,
             cli_env={**pgq_env, **CHAOS_SETTINGS},
             frontier=watch if topic == TOPICS[0] else None,
+            blocked=blocked,
         )
         for topic in TOPICS
     ]
