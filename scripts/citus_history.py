@@ -1,7 +1,7 @@
 """The history checker on a Citus cluster, for as long as you ask.
 
     python scripts/citus_history.py --seconds 300 [--dsn postgresql://postgres@127.0.0.1:9701/postgres]
-        [--report history.txt] [--single]
+        [--report history.txt] [--single] [--growth move | --growth add:HOST:PORT]
 
 Runs `tests/chaos/test_topics.py` (two topics with three groups each, concurrent
 publishers, some committing out of id order, retention, a `kill -9` and a cut of
@@ -12,6 +12,11 @@ mode (`PGQ_TEST_DISTRIBUTED=1`: the schema is placed with
 the checker's report (lost, unexplained duplicates, the frontier watch's
 findings) and exits with the child's status. `--single` runs the same on a plain
 server (`--dsn` then names it) for comparison. The schema is dropped afterwards.
+`--growth` changes the cluster a third into the run (`tests/chaos/growth.py`):
+`move` moves group `taa`'s shard to the other worker (after making the node it
+leaves run ahead in xids), `add:HOST:PORT` adds that node (a server with the citus
+extension, in no cluster) and rebalances. A move needs `wal_level = logical` on the
+nodes for Citus's default, non-blocking transfer.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ def main() -> int:
     parser.add_argument("--dsn", default=DEFAULT_DSN, help="the Citus coordinator")
     parser.add_argument("--report", help="also append the checker's report to this file")
     parser.add_argument("--single", action="store_true", help="a plain server, not distributed")
+    parser.add_argument("--growth", default="", help="move, or add:HOST:PORT (see above)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="pgq-history-") as tmp:
@@ -43,6 +49,7 @@ def main() -> int:
             PGQ_TEST_DISTRIBUTED="0" if args.single else "1",
             CHAOSQ_TOPICS_SECONDS=str(args.seconds),
             CHAOSQ_REPORT=report,
+            CHAOSQ_GROWTH=args.growth,
         )
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rN"]
         cmd.append("tests/chaos/test_topics.py")

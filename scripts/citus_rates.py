@@ -2,7 +2,8 @@
 each hot statement on the cluster (docs/scaling.md).
 
     python scripts/citus_rates.py [--single postgresql://postgres@127.0.0.1:5432/postgres]
-        [--citus postgresql://postgres@127.0.0.1:9701/postgres] [--n 5000] [--rounds 3]
+        [--citus postgresql://postgres@127.0.0.1:9701/postgres [--citus DSN ...]]
+        [--n 5000] [--rounds 3]
 
 Each round, on each target: a fresh schema (`pgq.migrate`, distributed on the
 cluster), one topic with two groups; `--n` messages published in batches of 100
@@ -12,8 +13,14 @@ second of wall time, medians over the rounds; targets alternate within a round s
 drift hits both. All nodes of the cluster share this machine's 2 cores with the
 client: the point is that it runs and routes, not speed.
 
-Then `EXPLAIN` on the cluster of the hot statements with a member's parameters:
-each line says the statement and its Citus task count (1 = a router plan).
+`--citus` may be given more than once (a cluster of 2 workers and one of 3, say):
+each is labelled with its number of workers. Every connection to a cluster runs
+with `citus.multi_task_query_log_level = warning`, and each warning Citus sends
+(a statement about to run as several tasks) is counted: the table's last column,
+0 when every statement of the run was routed to one node.
+
+Then `EXPLAIN` on the (first) cluster of the hot statements with a member's
+parameters: each line says the statement and its Citus task count (1 = a router plan).
 """
 
 from __future__ import annotations
@@ -27,12 +34,43 @@ from typing import Any
 
 import psycopg
 from psycopg import sql
+from psycopg.conninfo import make_conninfo
+from sqlalchemy import Engine, event
 
 import pgq
 from pgq.schema import SCHEMA_PLACEHOLDER
 from pgq.sql import breaker, claim, frontier, members, outcomes
 
 SECOND = dt.timedelta(seconds=1)
+
+
+MULTI_TASK = "multi-task query about to be executed"
+"""What Citus says at `citus.multi_task_query_log_level` before a multi-task statement."""
+
+multi_task = 0
+"""Multi-task statements seen on this process's connections (all of them, the
+consumers' too: the handler is added to every connection any engine opens)."""
+
+
+@event.listens_for(Engine, "connect")
+def _count_multi_task(dbapi_connection: Any, _: Any) -> None:
+    def seen(diagnostic: Any) -> None:
+        global multi_task
+        if MULTI_TASK in (diagnostic.message_primary or ""):
+            multi_task += 1
+
+    dbapi_connection.add_notice_handler(seen)
+
+
+def watched(dsn: str) -> str:
+    """`dsn` with Citus warning before each multi-task statement (libpq `options`)."""
+    return make_conninfo(dsn, options="-c citus.multi_task_query_log_level=warning")
+
+
+def workers(dsn: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT count(*) FROM pg_catalog.citus_get_active_worker_nodes()")
+        return int(row.fetchone()[0])  # type: ignore[index]
 
 
 def fresh(dsn: str, schema: str, distributed: bool) -> Any:
@@ -156,27 +194,38 @@ def plans(dsn: str) -> list[tuple[str, str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--single", default="postgresql://postgres@127.0.0.1:5432/postgres")
-    parser.add_argument("--citus", default="postgresql://postgres@127.0.0.1:9701/postgres")
+    parser.add_argument("--citus", action="append", help="a coordinator (repeatable)")
     parser.add_argument("--n", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=3, help="0: the plans only")
     args = parser.parse_args()
-    results: dict[str, list[dict[str, float]]] = {"one server": [], "Citus 3 nodes": []}
+    clusters = args.citus or ["postgresql://postgres@127.0.0.1:9701/postgres"]
+    targets = {"one server": (args.single, False)}
+    for dsn in clusters:
+        targets[f"Citus, coordinator + {workers(dsn)} workers"] = (watched(dsn), True)
+    results: dict[str, list[dict[str, float]]] = {target: [] for target in targets}
     for _ in range(args.rounds):
-        results["one server"].append(one_round(args.single, False, args.n))
-        results["Citus 3 nodes"].append(one_round(args.citus, True, args.n))
+        for target, (dsn, distributed) in targets.items():
+            before = multi_task
+            results[target].append(one_round(dsn, distributed, args.n))
+            results[target][-1]["multi_task"] = multi_task - before
     if args.rounds:
         print(
-            "| target | publish_many (100/batch) msgs/s | publish (1/tx) msgs/s | consume msgs/s |"
+            "| target | publish_many (100/batch) msgs/s | publish (1/tx) msgs/s | consume msgs/s"
+            " | multi-task statements |"
         )
-        print("| --- | ---: | ---: | ---: |")
+        print("| --- | ---: | ---: | ---: | ---: |")
     for target, rounds in results.items() if args.rounds else ():
         cells = [
             f"{statistics.median(r[k] for r in rounds):,.0f}"
             for k in ("publish_many", "publish", "consume")
         ]
+        if targets[target][1]:
+            cells.append(f"{sum(r['multi_task'] for r in rounds):,.0f}")
+        else:
+            cells.append("")
         print(f"| {target} | " + " | ".join(cells) + " |")
     print()
-    for name, counts in plans(args.citus):
+    for name, counts in plans(clusters[0]):
         print(f"- {name}: {counts}")
 
 

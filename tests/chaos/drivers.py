@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import psycopg
 from sqlalchemy import Engine, select
 
 import pgq
@@ -149,10 +150,26 @@ def message_ids(engine: Engine, topic: str) -> set[int]:
         return set(found)
 
 
+def refusal(exc: BaseException) -> bool:
+    """Did the database refuse a statement (a deadlock, a statement timeout), rolling
+    its transaction back, whether pgq translated the error or not?"""
+    cause = getattr(exc, "orig", None)
+    return isinstance(exc, REFUSED) or isinstance(
+        cause, (psycopg.errors.QueryCanceled, psycopg.errors.DeadlockDetected)
+    )
+
+
 def retention_pass(
-    engine: Engine, topic: str, retention: float = 0.0, batch: int = 1000, max_batches: int = 20
+    engine: Engine,
+    topic: str,
+    retention: float = 0.0,
+    batch: int = 1000,
+    max_batches: int = 20,
+    refused: Callable[[Exception], None] | None = None,
 ) -> list[int]:
     """Run pgq's retention for `topic` until it deletes nothing; the deleted ids.
+    A batch the database refuses (while a shard moves, say) ends the pass after
+    `refused` is told, with the ids of the batches committed before it.
 
     The same two statements as `GroupStore.expire_messages` (the topic lock, then
     the delete), kept here because the checker needs the ids, not only a count.
@@ -166,16 +183,22 @@ def retention_pass(
 
     tid = topic_id(engine, topic)
     if placement.distributed(engine):
-        return _retention_pass_by_store(engine, topic, tid, retention, batch, max_batches)
+        return _retention_pass_by_store(engine, topic, tid, retention, batch, max_batches, refused)
     deleted: list[int] = []
     for _ in range(max_batches):
-        with engine.begin() as conn:
-            conn.execute(lock_topic_for_retention(), {"topic_id": tid})
-            got = conn.execute(
-                delete_expired_messages(),
-                {"topic_id": tid, "retention": dt.timedelta(seconds=retention), "limit": batch},
-            ).scalars()
-            ids = [int(i) for i in got]
+        try:
+            with engine.begin() as conn:
+                conn.execute(lock_topic_for_retention(), {"topic_id": tid})
+                got = conn.execute(
+                    delete_expired_messages(),
+                    {"topic_id": tid, "retention": dt.timedelta(seconds=retention), "limit": batch},
+                ).scalars()
+                ids = [int(i) for i in got]
+        except Exception as exc:
+            if refused is None or not refusal(exc):
+                raise
+            refused(exc)
+            break
         deleted += ids
         if len(ids) < batch:
             break
@@ -183,7 +206,13 @@ def retention_pass(
 
 
 def _retention_pass_by_store(
-    engine: Engine, topic: str, tid: int, retention: float, batch: int, max_batches: int
+    engine: Engine,
+    topic: str,
+    tid: int,
+    retention: float,
+    batch: int,
+    max_batches: int,
+    refused: Callable[[Exception], None] | None,
 ) -> list[int]:
     """`retention_pass` through the member's own retention (`GroupStore.expire_messages`);
     the deleted ids are those present before and gone after (a member's maintenance
@@ -193,8 +222,14 @@ def _retention_pass_by_store(
     store = GroupStore(0, "", topic, "chaos-retention", 1.0, 1, topic_id=tid)
     before = message_ids(engine, topic)
     for _ in range(max_batches):
-        with engine.begin() as conn:
-            count = store.expire_messages(conn, tid, retention, batch)
+        try:
+            with engine.begin() as conn:
+                count = store.expire_messages(conn, tid, retention, batch)
+        except Exception as exc:
+            if refused is None or not refusal(exc):
+                raise
+            refused(exc)
+            break
         if count < batch:
             break
     return sorted(before - message_ids(engine, topic))
@@ -243,8 +278,8 @@ class Drivers:
             self._thread(name, functools.partial(how, name, count, interval))
 
     def _refused(self, name: str, exc: Exception) -> None:
-        """A publish the database refused (a deadlock, a statement timeout): nothing of
-        it committed, so nothing is recorded as published; the driver goes on."""
+        """A publish (or a retention batch) the database refused (a deadlock, a statement
+        timeout): nothing of it committed, so nothing is recorded; the driver goes on."""
         with self.record.lock:
             self.record.conflicts.append(f"{name}: {type(exc).__name__}: {exc}".splitlines()[0])
             self.record.refused_at.append(time.time())
@@ -340,7 +375,8 @@ class Drivers:
         def run() -> None:
             while self._running():
                 began = time.time()
-                deleted = retention_pass(self.engine, self.topic, retention)
+                refused = functools.partial(self._refused, "retention")
+                deleted = retention_pass(self.engine, self.topic, retention, refused=refused)
                 self.record.add(RetentionPass(began, time.time(), tuple(deleted)))
                 self._pause(interval)
 

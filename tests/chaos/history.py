@@ -533,7 +533,10 @@ def check(
             for at in record.refused_at or [0.0] * len(record.conflicts)
         ]
         if any(during):
-            summary.notes.append(f"{sum(during)} publishes refused while the cluster moved shards")
+            summary.notes.append(
+                f"{sum(during)} publishes or retention batches refused while the cluster"
+                " moved shards"
+            )
         if not all(during):
             refused = [c for c, moved in zip(record.conflicts, during, strict=True) if not moved]
             summary.problems.append(

@@ -115,6 +115,7 @@ def history_run(cluster: Cluster, growth: str, tmp_path: Path) -> str:
     )
     text = report.read_text() if report.exists() else ""
     assert done.returncode == 0, f"exit {done.returncode}:\n{text}\n{done.stdout[-6000:]}"
+    print(text)  # the checker's report, for `pytest -s` (docs/scaling.md quotes one)
     return text
 
 
