@@ -31,6 +31,7 @@ from sqlalchemy.sql import ColumnElement, Executable
 from pgq import schema as t
 from pgq.records import AttemptEvent, ErrorClass
 from pgq.sql import history
+from pgq.sql.frontier import SPACE
 from pgq.sql.refunds import charged_within
 
 d, m = t.delivery, t.message
@@ -116,8 +117,10 @@ def key_free(max_refunds: bool = False) -> ColumnElement[bool]:
 
     "Before it" is only known once every transaction that could still insert a row
     before it has ended: its own xid is below the snapshot's xmin (the frontier's
-    rule). Then each earlier row of the key is committed, so visible, or will never
-    be. The tests read the key's partial indexes (`schema.key_order_index`,
+    rule), and once the rows' xids count in this server's xid space (decision 0047:
+    after a shard move, not before the group's frontier is rebased). Then each
+    earlier row of the key is committed, so visible, or will never be. The tests
+    read the key's partial indexes (`schema.key_order_index`,
     `schema.key_leased_index`), which hold only keyed rows: an unordered group's
     rows carry no key. "No leased row at all", not only none before it: a refund
     or a requeue that makes an earlier dead row ready again while a later one runs
@@ -151,9 +154,18 @@ def key_free(max_refunds: bool = False) -> ColumnElement[bool]:
     # one lookup per statement (an InitPlan), not one snapshot copy per row
     xmin = select(func.pg_snapshot_xmin(func.pg_current_snapshot())).scalar_subquery()
     behind_xmin = d.c.xid < xmin
+    # rows that came from another server (a shard move) order with this server's only
+    # once the frontier is rebased (decision 0047): until then no keyed row is leased
+    gs = t.group_state
+    here = (
+        select(literal(1))
+        .where(gs.c.group_id == bindparam("gid"))
+        .where(func.coalesce(gs.c.xid_space, SPACE) == SPACE)
+        .exists()
+    )
     # `running` first: a row behind a running one of its key (most rows a claim
     # passes over) is turned away by one probe of a hash built once per statement
-    return or_(d.c.key.is_(None), and_(behind_xmin, ~running, ~earlier))
+    return or_(d.c.key.is_(None), and_(behind_xmin, here, ~running, ~earlier))
 
 
 def _of_its_key(row: Any, *where: ColumnElement[bool]) -> ColumnElement[bool]:

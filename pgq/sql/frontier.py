@@ -28,6 +28,7 @@ from sqlalchemy import (
     func,
     literal_column,
     null,
+    or_,
     select,
     tuple_,
     update,
@@ -198,8 +199,12 @@ def rebase_frontier() -> Executable:
     their own, local, xid, at or above its xmin), so the ones at or above its
     snapshot's xmin get `FROZEN`, and the frontier goes back to the start (every row
     past it): the next advance walks the group's rows again and passes only resolved
-    ones. One statement with a SELECT on top, like the advance, so that Citus ships
-    it whole to the group's node and `SPACE` and the xmin are that node's.
+    ones. In an ordered group every keyed row it sees is given `FROZEN` too, so
+    that a key's rows keep their order (by id, among the rows that were there) and
+    come before every row written later: xids of two servers do not compare
+    (`claim.key_free` leases no keyed row until this has run). One statement with a
+    SELECT on top, like the advance, so that Citus ships it whole to the group's
+    node and `SPACE` and the xmin are that node's.
     """
     gid = bindparam("gid", type_=Integer)
     here = (
@@ -210,9 +215,11 @@ def rebase_frontier() -> Executable:
         .with_for_update()
         .cte("here")
     )
+    at_or_above_xmin = d.c.xid >= select(here.c.xmin).scalar_subquery()
     frozen = (
         update(d)
-        .where(d.c.group_id == gid, d.c.xid >= select(here.c.xmin).scalar_subquery())
+        .where(d.c.group_id == gid, select(here).exists())
+        .where(or_(at_or_above_xmin, d.c.key.is_not(None)))
         .values(xid=FROZEN)
         .returning(d.c.message_id)
         .cte("frozen")

@@ -15,8 +15,8 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
-from helpers import FAST, assert_usage_error, invoke, set_rows, store_of
-from sqlalchemy import Engine, select, text, update
+from helpers import FAST, assert_usage_error, invoke, set_rows, store_of, wait_until
+from sqlalchemy import BigInteger, Engine, Text, cast, func, select, text, update
 
 import pgq
 from pgq import schema as t
@@ -327,3 +327,38 @@ def test_three_members_keep_each_keys_order(ordered: Engine, three_members: list
         assert time.monotonic() < deadline, "the members did not drain the group"
         time.sleep(0.05)
     check_order(intervals, published)
+
+
+def test_after_a_shard_move_a_keys_messages_keep_their_order(ordered: Engine):
+    """Rows that came from another server (a Citus shard move, decision 0047) carry
+    that server's xids, which do not compare with this one's: no keyed row is leased
+    until the group's frontier is rebased, and the rebase keeps each key's order.
+    Here `a1` came from a server whose xid for it is just above the one this server
+    gave `a3`, published after the move: by xids alone `a3` came first."""
+    a1, a2, a3, filler = publish(ordered, "a", "a", "a", None)
+    g = store_of(ordered)
+    d, gs = t.delivery, t.group_state
+    with ordered.begin() as conn:
+        x3 = conn.scalar(
+            select(cast(d.c.xid, Text)).where(d.c.message_id == a3, d.c.group_id == g.gid)
+        )
+        moved = cast(cast(cast(x3, BigInteger) + 1, Text), t.XID8())
+        conn.execute(
+            update(d).where(d.c.group_id == g.gid, d.c.message_id.in_([a1, a2])).values(xid=moved)
+        )
+        conn.execute(update(gs).where(gs.c.group_id == g.gid).values(xid_space=42))
+
+    def past_xmin() -> bool:  # every row committed as far as any snapshot can tell
+        with ordered.connect() as conn:
+            xmin = conn.scalar(
+                select(cast(func.pg_snapshot_xmin(func.pg_current_snapshot()), Text))
+            )
+        return int(xmin) > int(x3) + 1
+
+    wait_until(past_xmin, SETTLE, "the server's xmin past the rows' xids")
+    assert claim(ordered, g) == [filler]  # no keyed row yet (by xids alone: a3)
+    with ordered.begin() as conn:
+        g.advance_frontier(conn)  # rebased: this server's space
+    assert claim(ordered, g, expect=[a1]) == [a1]
+    finish(ordered, g, [a1])
+    assert claim(ordered, g, expect=[a2]) == [a2]
