@@ -162,7 +162,7 @@ group_state = Table(
     Column("committed_xid", XID8(), nullable=False, server_default=text("'0'::xid8")),
     Column("committed_id", BigInteger),
     # the xid space the frontier counts in: the system identifier of the server that
-    # holds the group's rows, set by the group's first advance (schema version 10).
+    # holds the group's rows, named at subscribe (schema version 10).
     # Another value than the server's own means the rows came from elsewhere (a Citus
     # shard move, a restore): the frontier starts again in its xids (decision 0047)
     Column("xid_space", BigInteger),

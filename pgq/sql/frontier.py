@@ -162,9 +162,9 @@ def advance_frontier() -> Executable:
 @cache
 def name_xid_space() -> Executable:
     """Name the xid space of group `:gid`'s frontier, not named yet, as this server's
-    (schema version 10: the groups that exist count in the xids of the server that
-    holds them); returns how many it named. A SELECT on top like the advance, so that
-    on Citus `SPACE` is the group's node's."""
+    (at subscribe; and schema version 10: the groups that exist count in the xids of
+    the server that holds them); returns how many it named. A SELECT on top like
+    the advance, so that on Citus `SPACE` is the group's node's."""
     gid = bindparam("gid", type_=Integer)
     here = (
         select(gs.c.group_id, SPACE.label("space"))
@@ -187,7 +187,7 @@ def rebase_frontier() -> Executable:
     """Start the frontier of `:gid` again in this server's xid space, when it counts
     in another's (decision 0047); returns one row: `rebased` (false when it already
     counted here: another member rebased it first), `was`, the space it counted in
-    (None for a group that had not advanced yet), and `rows`, the rows given
+    (None: never named), and `rows`, the rows given
     `FROZEN`.
 
     A group's rows keep the xids they were written with when Citus moves its shard

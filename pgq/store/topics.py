@@ -24,6 +24,7 @@ from pgq.errors import (
 from pgq.names import check_name
 from pgq.otel import tracing as otel
 from pgq.records import GroupInfo
+from pgq.sql import frontier as frontier_sql
 from pgq.sql import publish as q
 from pgq.sql.locks import topic_key, topic_lock
 from pgq.store import placement
@@ -102,6 +103,9 @@ def subscribe(
                 )
             return
         conn.execute(q.insert_group_state(), {"gid": group_id})
+        # its frontier counts in the xids of the server that holds its rows (decision
+        # 0047); a routed statement, so that on Citus that is the group's node
+        conn.execute(frontier_sql.name_xid_space(), {"gid": group_id})
         conn.execute(q.insert_breaker(), {"gid": group_id})
         if start == "earliest":
             conn.execute(q.backfill_group(), {"gid": group_id, "topic_id": topic_id})

@@ -58,11 +58,8 @@ def unresolved_behind(engine: Engine, gid: int) -> list[int]:
         )
 
 
-def test_a_groups_first_advance_names_its_servers_xids(orders):
+def test_a_group_counts_in_its_servers_xids_from_its_subscribe(orders):
     store = store_of(orders, "billing", "m")
-    assert frontier(orders, store.gid)[2] is None
-    with orders.begin() as conn:
-        store.advance_frontier(conn)
     assert frontier(orders, store.gid)[2] == system_identifier(orders)
 
 
