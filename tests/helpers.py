@@ -185,6 +185,7 @@ def wait_for_frontier(
     while True:
         if gid is not None:
             with engine.begin() as conn:
+                conn.execute(frontier_sql.rebase_rows(), {"gid": gid})
                 conn.execute(frontier_sql.rebase_frontier(), {"gid": gid})
                 conn.execute(frontier_sql.advance_frontier(), {"gid": gid})
         status = pgq.status(engine, group)

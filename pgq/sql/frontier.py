@@ -24,10 +24,10 @@ from sqlalchemy import (
     Interval,
     any_,
     bindparam,
+    cast,
     false,
     func,
     literal_column,
-    null,
     or_,
     select,
     tuple_,
@@ -64,9 +64,18 @@ def _unresolved() -> ColumnElement[bool]:
     return func.coalesce(d.c.state.in_([t.READY, t.LEASED]), false())
 
 
-SPACE = literal_column(t.XID_SPACE, BigInteger)
-"""The xid space of the server that runs the statement (decision 0047): on Citus the
-worker that holds the group's shard, where a routed statement evaluates it."""
+def space_of(state: Any = gs) -> ColumnElement[int]:
+    """The xid space a group's frontier counts in where `state` (`group_state`, or an
+    alias of it, in the statement's FROM) is read (decision 0047): the server's system
+    identifier, xor the table's oid there. On Citus a routed statement evaluates it on
+    the worker that holds the group's shard, and the shard is a new table on every
+    node it is moved to, back to a node it left included."""
+    oid = cast(literal_column(f"{state.name}.tableoid"), BigInteger)
+    return literal_column(t.XID_SPACE, BigInteger).op("#")(oid)
+
+
+SPACE = space_of()
+"""`space_of` the group_state table itself (not aliased)."""
 
 FROZEN = literal_column("'2'", t.XID8())
 """The xid a rebase gives rows that came from another xid space: below every
@@ -183,12 +192,11 @@ def name_xid_space() -> Executable:
 
 
 @cache
-def rebase_frontier() -> Executable:
-    """Start the frontier of `:gid` again in this server's xid space, when it counts
-    in another's (decision 0047); returns one row: `rebased` (false when it already
-    counted here: another member rebased it first), `was`, the space it counted in
-    (None: never named), and `rows`, the rows given
-    `FROZEN`.
+def rebase_rows() -> Executable:
+    """Step 1 of a rebase (decision 0047), when the frontier of `:gid` counts in
+    another space than this server's: give `FROZEN` to the rows this statement sees
+    at or above its snapshot's xmin, and in an ordered group to every keyed row it
+    sees; returns how many. Step 2 is `rebase_frontier`, in the same transaction.
 
     A group's rows keep the xids they were written with when Citus moves its shard
     to another node (or a dump is restored on another server), and that node counts
@@ -196,48 +204,63 @@ def rebase_frontier() -> Executable:
     while still ready, and moved rows can look uncommitted there (xid above its
     xmin) for as long as its counter takes to catch up. Every row this statement
     sees is committed (rows of transactions still open are invisible to it and keep
-    their own, local, xid, at or above its xmin), so the ones at or above its
-    snapshot's xmin get `FROZEN`, and the frontier goes back to the start (every row
-    past it): the next advance walks the group's rows again and passes only resolved
-    ones. In an ordered group every keyed row it sees is given `FROZEN` too, so
-    that a key's rows keep their order (by id, among the rows that were there) and
-    come before every row written later: xids of two servers do not compare
-    (`claim.key_free` leases no keyed row until this has run). One statement with a
-    SELECT on top, like the advance, so that Citus ships it whole to the group's
-    node and `SPACE` and the xmin are that node's.
+    their own, local, xid, at or above its xmin), so the ones at or above the xmin
+    may be frozen. A key's rows keep their order only if all of them are (by id,
+    among the rows that were there) and come before every row written later: xids of
+    two servers do not compare (`claim.key_free` leases no keyed row meanwhile).
+
+    The rows are locked before the group's row (step 2), as an ack locks them: the
+    other order deadlocked with an ack waiting for the group's row. A SELECT on top,
+    like the advance, so that Citus ships it whole to the group's node and the space
+    and the xmin are that node's.
     """
     gid = bindparam("gid", type_=Integer)
-    here = (
-        select(
-            gs.c.group_id, gs.c.xid_space.label("was"), SPACE.label("space"), _xmin().label("xmin")
-        )
+    elsewhere = (
+        select(_xmin().label("xmin"))
         .where(gs.c.group_id == gid, gs.c.xid_space.is_distinct_from(SPACE))
-        .with_for_update()
-        .cte("here")
+        .cte("elsewhere")
     )
-    at_or_above_xmin = d.c.xid >= select(here.c.xmin).scalar_subquery()
+    at_or_above_xmin = d.c.xid >= select(elsewhere.c.xmin).scalar_subquery()
     frozen = (
         update(d)
-        .where(d.c.group_id == gid, select(here).exists())
+        .where(d.c.group_id == gid, select(elsewhere).exists())
         .where(or_(at_or_above_xmin, d.c.key.is_not(None)))
         .values(xid=FROZEN)
         .returning(d.c.message_id)
         .cte("frozen")
+    )
+    return select(func.count()).select_from(frozen)
+
+
+@cache
+def rebase_frontier() -> Executable:
+    """Step 2 of a rebase (after `rebase_rows`): the frontier of `:gid` goes back to
+    the start, xid 0, below every row (every row is past it: the next advance walks
+    the group's rows again and passes only resolved ones), keeping its id for
+    `committed` to show while no row is left to land on (a drained group's frontier
+    pruned them all), and names this server's space. Returns one row: `rebased`
+    (false when another member rebased it first) and `was`, the space it counted in.
+    """
+    gid = bindparam("gid", type_=Integer)
+    here = (
+        select(gs.c.group_id, gs.c.xid_space.label("was"), SPACE.label("space"))
+        .where(gs.c.group_id == gid, gs.c.xid_space.is_distinct_from(SPACE))
+        .with_for_update()
+        .cte("here")
     )
     reset = (
         update(gs)
         .where(gs.c.group_id == gid, select(here).exists())
         .values(
             committed_xid=literal_column("'0'", t.XID8()),
-            committed_id=null(),
+            committed_id=gs.c.committed_id,
             xid_space=select(here.c.space).scalar_subquery(),
         )
         .returning(gs.c.group_id)
         .cte("reset")
     )
-    rows = select(func.count()).select_from(frozen).scalar_subquery()
     was = select(here.c.was).scalar_subquery()
-    return select(select(reset).exists().label("rebased"), was.label("was"), rows.label("rows"))
+    return select(select(reset).exists().label("rebased"), was.label("was"))
 
 
 def _prune(*where: ColumnElement[bool]) -> ScalarSelect[int]:

@@ -73,7 +73,8 @@ class Housekeeping(GroupScope):
     def _rebase_frontier(self, conn: Connection) -> None:
         """Start the frontier again in this server's xid space: the group's rows came
         from another server (`frontier_sql.rebase_frontier`, decision 0047)."""
-        rebased, was, rows = conn.execute(frontier_sql.rebase_frontier(), {"gid": self.gid}).one()
+        rows = conn.execute(frontier_sql.rebase_rows(), {"gid": self.gid}).scalar()
+        rebased, was = conn.execute(frontier_sql.rebase_frontier(), {"gid": self.gid}).one()
         if rebased and was is not None:
             logger.warning(
                 "frontier started again in this server's xids: the group's rows were"

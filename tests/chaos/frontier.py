@@ -34,8 +34,8 @@ from pgq.store.engine import schema_of
 
 _SAMPLE = """
 SELECT f.committed_xid::text AS cx, f.committed_id AS cid, f.xid_space::text AS space,
-       f.xid_space IS NOT DISTINCT FROM (pg_catalog.pg_control_system()).system_identifier
-           AS here,
+       f.xid_space IS NOT DISTINCT FROM
+           (pg_catalog.pg_control_system()).system_identifier # f.tableoid::bigint AS here,
        ARRAY(SELECT d.message_id::text || ' ' || d.state::text || ' xid ' || d.xid::text
              FROM {schema}.delivery d
              WHERE d.group_id = :gid AND d.state IN ('ready', 'leased')

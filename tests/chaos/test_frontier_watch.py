@@ -25,7 +25,8 @@ def set_frontier(engine: Engine, group: str, message_id: int) -> None:
             text(
                 f'UPDATE "{schema}".{table} f'
                 " SET committed_xid = d.xid, committed_id = d.message_id,"
-                " xid_space = (pg_catalog.pg_control_system()).system_identifier"
+                " xid_space ="
+                " (pg_catalog.pg_control_system()).system_identifier # f.tableoid::bigint"
                 f' FROM "{schema}".delivery d, "{schema}".consumer_group g'
                 f" WHERE g.name = :group AND f.{key} = g.id AND d.group_id = g.id"
                 " AND d.message_id = :mid"
