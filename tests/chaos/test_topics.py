@@ -104,7 +104,10 @@ def faults(engine: Engine, members: Members, proxy: Proxy, notes: list[str]) -> 
                 victim.kill9()
                 members.spawn(name, f"{topic}a", verbose=True)
                 try:
-                    members.wait_live(engine, f"{topic}a", [name], TTL, timeout=15)
+                    # (a member joins by writing its group's shard: a move blocks that)
+                    members.wait_live(
+                        engine, f"{topic}a", [name], TTL, timeout=60 if GROWTH else 15
+                    )
                 except AssertionError as exc:
                     notes.append(f"PROBLEM cycle {cycle}: restarting {name}: {exc}")
         time.sleep(max(0.0, t0 + 0.7 * CYCLE - time.monotonic()))

@@ -25,7 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import citus_marks
+from chaos.growth import burn_xids, next_xids, shard_of
+from helpers import citus_marks, store_of
+from sqlalchemy import Engine, text
+
+import pgq
+from pgq.store.engine import schema_of
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = Path(os.environ.get("PGQ_CITUS_TOOLS", ROOT.parent / "shared" / "citus"))
@@ -90,6 +95,94 @@ def cluster() -> Iterator[Cluster]:
         for ports_, directory in (main, spare):
             cluster_sh("remove", ports_, directory)
         shutil.rmtree(base, ignore_errors=True)
+
+
+# -- a shard moved while no member runs ------------------------------------------------
+# (members down for a deploy while the cluster is rebalanced and a node drained, say):
+# moved from A to B and back to A before any member advanced the group on B, the rows
+# published meanwhile have B's xids, under a frontier that still looks like A's when
+# the space is the node alone; the shard is a new table on A, so it is not.
+
+
+@pytest.fixture
+def moving(cluster: Cluster) -> Iterator[Engine]:
+    schema = f"pgq_moves_{os.getpid()}"
+    engine = pgq.connect(cluster.dsn, schema=schema)
+    try:
+        pgq.migrate(engine, distributed=True)
+        pgq.create_topic(engine, "t")
+        pgq.subscribe(engine, "g", "t")
+        yield engine
+    finally:
+        with engine.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        engine.dispose()
+
+
+def move(engine: Engine, to: tuple[str, int]) -> None:
+    shard, source = shard_of(engine, "g")
+    with engine.connect() as conn:
+        conn.execute(
+            text("SELECT pg_catalog.citus_move_shard_placement(:s, :sh, :sp, :th, :tp)"),
+            {"s": shard, "sh": source[0], "sp": source[1], "th": to[0], "tp": to[1]},
+        )
+        conn.commit()
+    assert shard_of(engine, "g")[1] == to
+
+
+def unresolved_behind(engine: Engine, gid: int) -> list[tuple[int, str, str]]:
+    """Ready or leased rows at or behind the frontier, when it counts in the space of
+    the node that holds the group (one routed statement: that node's snapshot)."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT d.message_id, d.state::text, d.xid::text"
+                " FROM {s}.delivery d JOIN {s}.group_state f ON f.group_id = d.group_id"
+                " WHERE d.group_id = :gid AND f.group_id = :gid"
+                " AND d.state IN ('ready', 'leased')"
+                " AND f.xid_space ="
+                " (pg_catalog.pg_control_system()).system_identifier # f.tableoid::bigint"
+                " AND (d.xid, d.message_id) <= (f.committed_xid, f.committed_id)"
+                " ORDER BY d.message_id".replace("{s}", f'"{schema_name(engine)}"')
+            ),
+            {"gid": gid},
+        ).all()
+    return [(int(r[0]), r[1], r[2]) for r in rows]
+
+
+def schema_name(engine: Engine) -> str:
+    return schema_of(engine)
+
+
+def drain(engine: Engine) -> None:
+    pgq.Consumer(engine, "g", lambda msg: None, poll_interval=0.1).run(until_empty=True)
+
+
+def test_a_shard_moved_away_and_back_before_any_advance_keeps_its_promise(
+    moving: Engine, cluster: Cluster
+) -> None:
+    store = store_of(moving, "g", "m")
+    a = shard_of(moving, "g")[1]
+    b = next(node for node in next_xids(moving) if node != a)
+    xids = next_xids(moving)
+    burn_xids(cluster.dsn, a, max(0, xids[b] - xids[a]) + 3000)  # A ahead of B
+    pgq.publish_many(moving, "t", [{"n": n} for n in range(3)])
+    drain(moving)
+    with moving.begin() as conn:
+        store.advance_frontier(conn)  # the frontier in A's space, at the third message
+
+    move(moving, b)  # no member runs: nothing advances the group on B
+    late = pgq.publish_many(moving, "t", [{"n": f"on B {n}"} for n in range(2)])  # B's xids
+    move(moving, a)
+    with moving.begin() as conn:
+        store.advance_frontier(conn)
+
+    # the frontier is in A's space again, and promises the rows written on B resolved
+    assert unresolved_behind(moving, store.gid) == []
+    drain(moving)
+    with moving.begin() as conn:
+        store.advance_frontier(conn)
+    assert pgq.status(moving, "g")["committed"] == late[-1]
 
 
 def history_run(cluster: Cluster, growth: str, tmp_path: Path) -> str:
