@@ -158,6 +158,7 @@ class Spanning(enum.Enum):
     SAMPLES_OVERVIEW = "the charts of every group (the dashboard's overview)"
     TOPIC_MESSAGE_COUNTS = "`pgq topics`: how many messages each topic retains"
     AUDIT_BY_NAME = "the audit trail of a topic, or of a group by name (deleted groups too)"
+    UPGRADE = "a migration of a placed schema rewrites every group's rows once (`pgq init`)"
 
 
 @contextlib.contextmanager
