@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 
 import pytest
-from helpers import FAST, assert_usage_error, invoke, set_rows
+from helpers import FAST, across_groups, assert_usage_error, invoke, set_rows
 from sqlalchemy import Engine, select, text, update
 
 import pgq
@@ -119,7 +119,7 @@ def test_only_ordered_groups_rows_carry_the_key(ordered: Engine):
     pgq.subscribe(ordered, "late", "orders", ordered=True)  # backfilled from earliest
     pgq.subscribe(ordered, "late-u", "orders")
     d, g = t.delivery, t.consumer_group
-    with ordered.connect() as conn:
+    with across_groups(ordered) as conn:  # the message's row in every group
         keys = dict(
             conn.execute(
                 select(g.c.name, d.c.key)
