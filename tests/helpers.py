@@ -29,7 +29,7 @@ from sqlalchemy import Connection, Engine, func, select, text, update
 import pgq
 from pgq import schema as t
 from pgq.sql import frontier as frontier_sql
-from pgq.store import GroupStore, group_info
+from pgq.store import GroupStore, group_info, placement
 
 if TYPE_CHECKING:
     from click.testing import Result
@@ -405,10 +405,6 @@ def run_machine(
         engine.dispose()
 
 
-CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")
-"""The Citus coordinator the `citus` tests run on (`.ci/run` starts one and sets it)."""
-
-
 STRICT_OPTION = "-c citus.multi_task_query_log_level=error"
 """The libpq `options` that make a connection refuse a multi-task statement: a
 statement Citus would split into several tasks fails instead of running."""
@@ -422,8 +418,34 @@ def strict_dsn(dsn: str) -> str:
     return dsn + ("&" if "?" in dsn else "?") + "options=" + quote(STRICT_OPTION)
 
 
-STRICT_CITUS_DSN = strict_dsn(CITUS_DSN)
-"""`CITUS_DSN` whose every connection refuses a multi-task statement."""
+CITUS_DSN = strict_dsn(os.environ.get("PGQ_CITUS_DSN", ""))
+"""The Citus coordinator the `citus` tests run on (`.ci/run` starts one and sets it),
+every connection of it refusing a multi-task statement (`strict_dsn`): a test's own
+statements over several groups say so (`across_groups`, `citus_owner`)."""
+
+STRICT_CITUS_DSN = CITUS_DSN
+"""`CITUS_DSN` (the name the routing tests use for the engine they check)."""
+
+
+def citus_worker_dsn(port: int) -> str:
+    """`CITUS_DSN` pointed at the worker on `port` (of the same host)."""
+    import psycopg
+
+    params = psycopg.conninfo.conninfo_to_dict(CITUS_DSN)
+    params["port"] = str(port)
+    return psycopg.conninfo.make_conninfo("", **params)
+
+
+def citus_owner(**kwargs: Any) -> Any:
+    """A psycopg connection to `CITUS_DSN` for a test's own setup and reads over
+    several groups or topics: the multi-task check off for this session only."""
+    import psycopg
+
+    conn = psycopg.connect(CITUS_DSN, **kwargs)
+    conn.execute("SET citus.multi_task_query_log_level = off")
+    if not kwargs.get("autocommit"):
+        conn.commit()
+    return conn
 
 
 DISTRIBUTED = os.environ.get("PGQ_TEST_DISTRIBUTED", "") not in ("", "0")
@@ -443,7 +465,7 @@ def across_groups(engine: Engine) -> Iterator[Connection]:
 
 def spans_groups(conn: Connection) -> None:
     """`across_groups` for the rest of `conn`'s transaction, begun already."""
-    if DISTRIBUTED:
+    if DISTRIBUTED or (CITUS_DSN and placement.distributed(conn)):
         conn.execute(text("SET LOCAL citus.multi_task_query_log_level = off"))
 
 

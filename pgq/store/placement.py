@@ -146,7 +146,7 @@ class Spanning(enum.Enum):
     `citus.multi_task_query_log_level = error`, so a statement that would not fails
     there. These are the exceptions: reports and admin statements that read (or a
     subscribe, write from) every group or topic at once. Each runs inside
-    `spanning(conn, Spanning.X)`; `tests/unit/test_spanning.py` lists them, so one more
+    `spanning(conn, Spanning.X)`; `tests/unit/test_spanning_names.py` lists them, so one more
     is a decision, not an accident. The value says why it spans.
     """
 

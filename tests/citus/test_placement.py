@@ -17,7 +17,7 @@ from typing import Any
 import psycopg
 import pytest
 from fixtures.released import restore
-from helpers import CITUS_DSN, STRICT_CITUS_DSN, citus_marks, invoke
+from helpers import CITUS_DSN, STRICT_CITUS_DSN, citus_marks, citus_owner, invoke
 from psycopg import sql
 
 import pgq
@@ -117,7 +117,7 @@ def test_distributing_a_plain_install_keeps_its_rows_and_runs_again(citus_schema
         assert_placed(citus_schema)
         assert pgq.migrate(engine, distributed=True) == LATEST  # nothing left to do
         assert_placed(citus_schema)
-        with psycopg.connect(CITUS_DSN) as conn:
+        with citus_owner() as conn:  # every topic's and group's rows
             counts = conn.execute(
                 sql.SQL(
                     "SELECT (SELECT count(*) FROM {}.message), (SELECT count(*) FROM {}.delivery)"
@@ -220,7 +220,7 @@ def test_a_distributed_version_3_is_upgraded_in_place(citus_schema: str):
     try:
         assert pgq.migrate(engine) == LATEST
         assert_placed(citus_schema)
-        with psycopg.connect(CITUS_DSN) as conn:
+        with citus_owner() as conn:  # every group's
             state = conn.execute(
                 sql.SQL(
                     "SELECT committed_id, done_pruned, refunded_total FROM {}.group_state"
