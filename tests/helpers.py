@@ -29,7 +29,7 @@ from sqlalchemy import Connection, Engine, func, select, text, update
 import pgq
 from pgq import schema as t
 from pgq.sql import frontier as frontier_sql
-from pgq.store import GroupStore, group_info
+from pgq.store import GroupStore, group_info, placement
 
 if TYPE_CHECKING:
     from click.testing import Result
@@ -142,14 +142,10 @@ def reap(proc: subprocess.Popen[str], timeout: float = 10.0) -> None:
 
 def rows(engine: Engine, group: str) -> dict[int, Any]:
     """The delivery rows of `group` by message id (every column of `pgq.delivery`)."""
-    d, g = t.delivery, t.consumer_group
+    d = t.delivery
+    gid = group_info(engine, group).id  # by id: one shard on Citus
     with engine.connect() as conn:
-        found = conn.execute(
-            select(d)
-            .join(g, g.c.id == d.c.group_id)
-            .where(g.c.name == group)
-            .order_by(d.c.message_id)
-        ).all()
+        found = conn.execute(select(d).where(d.c.group_id == gid).order_by(d.c.message_id)).all()
     return {r.message_id: r for r in found}
 
 
@@ -374,7 +370,7 @@ def expire_all(engine: Engine, topic: str = "orders") -> int:
 def set_rows(engine: Engine, ids: list[int], **values: Any) -> None:
     """Write `values` into the delivery rows of the messages `ids` (every group)."""
     d = t.delivery
-    with engine.begin() as conn:
+    with across_groups(engine) as conn:
         conn.execute(update(d).where(d.c.message_id.in_(ids)).values(**values))
 
 
@@ -421,18 +417,68 @@ def store_of(
     )
 
 
-CITUS_DSN = os.environ.get("PGQ_CITUS_DSN", "")
-"""The Citus coordinator the `citus` tests run on (`.ci/run` starts one and sets it)."""
+STRICT_OPTION = "-c citus.multi_task_query_log_level=error"
+"""The libpq `options` that make a connection refuse a multi-task statement: a
+statement Citus would split into several tasks fails instead of running."""
 
 
-STRICT_CITUS_DSN = (
-    CITUS_DSN
-    + ("&" if "?" in CITUS_DSN else "?")
-    + "options="
-    + quote("-c citus.multi_task_query_log_level=error")
-)
-"""`CITUS_DSN` whose every connection refuses a multi-task statement (libpq `options`):
-a statement Citus would split into several tasks fails instead of running."""
+def strict_dsn(dsn: str) -> str:
+    """`dsn` (a URL) whose every connection refuses a multi-task statement
+    (`STRICT_OPTION`), unless it says a level of its own already."""
+    if not dsn or "multi_task_query_log_level" in dsn:
+        return dsn
+    return dsn + ("&" if "?" in dsn else "?") + "options=" + quote(STRICT_OPTION)
+
+
+CITUS_DSN = strict_dsn(os.environ.get("PGQ_CITUS_DSN", ""))
+"""The Citus coordinator the `citus` tests run on (`.ci/run` starts one and sets it),
+every connection of it refusing a multi-task statement (`strict_dsn`): a test's own
+statements over several groups say so (`across_groups`, `citus_owner`)."""
+
+STRICT_CITUS_DSN = CITUS_DSN
+"""`CITUS_DSN` (the name the routing tests use for the engine they check)."""
+
+
+def citus_worker_dsn(port: int) -> str:
+    """`CITUS_DSN` pointed at the worker on `port` (of the same host)."""
+    import psycopg
+
+    params = psycopg.conninfo.conninfo_to_dict(CITUS_DSN)
+    params["port"] = str(port)
+    return psycopg.conninfo.make_conninfo("", **params)
+
+
+def citus_owner(**kwargs: Any) -> Any:
+    """A psycopg connection to `CITUS_DSN` for a test's own setup and reads over
+    several groups or topics: the multi-task check off for this session only."""
+    import psycopg
+
+    conn = psycopg.connect(CITUS_DSN, **kwargs)
+    conn.execute("SET citus.multi_task_query_log_level = off")
+    if not kwargs.get("autocommit"):
+        conn.commit()
+    return conn
+
+
+DISTRIBUTED = os.environ.get("PGQ_TEST_DISTRIBUTED", "") not in ("", "0")
+"""Whether this run places every test schema on a Citus cluster (`PGQ_TEST_DISTRIBUTED=1`,
+tests/fixtures/database.py): its connections then refuse multi-task statements."""
+
+
+@contextlib.contextmanager
+def across_groups(engine: Engine) -> Iterator[Connection]:
+    """A transaction for a test's own statements over several groups or topics (rows
+    counted for an assert, time moved by hand on every row): on a Citus run they may
+    run on several shards, which pgq's own statements may not."""
+    with engine.begin() as conn:
+        spans_groups(conn)
+        yield conn
+
+
+def spans_groups(conn: Connection) -> None:
+    """`across_groups` for the rest of `conn`'s transaction, begun already."""
+    if DISTRIBUTED or (CITUS_DSN and placement.distributed(conn)):
+        conn.execute(text("SET LOCAL citus.multi_task_query_log_level = off"))
 
 
 def citus_marks() -> list[Any]:

@@ -322,8 +322,11 @@ def close_idle() -> Executable:
     0026). Unlike a probe's close it owes no reconciliation (no probe showed the
     dependency working, DESIGN §6.7); one still owed by an earlier close stays owed.
     Returns the new (close) epoch, nothing when a candidate exists or the group moved on.
+
+    The probe time test is written without `coalesce`: Citus refuses an `UPDATE`
+    whose `coalesce` or `CASE` calls a function that is not immutable (`now()`).
     """
-    due = func.coalesce(br.c.next_probe_at <= func.now(), True)
+    due = or_(br.c.next_probe_at.is_(None), br.c.next_probe_at <= func.now())
     candidate = (
         select(d.c.message_id).where(d.c.group_id == bindparam("gid"), probe_candidate()).exists()
     )

@@ -191,3 +191,22 @@ def recover_prepared() -> Executable:
     knows (Citus's own recovery, which otherwise runs every
     `citus.recover_2pc_interval`)."""
     return text("SELECT pg_catalog.recover_prepared_transactions()")
+
+
+MULTI_TASK_LEVEL = "citus.multi_task_query_log_level"
+"""The Citus setting that logs (or, at `error`, refuses) a statement of several tasks."""
+
+
+def allow_multi_task() -> Executable:
+    """Let this transaction's next statements run on several shards: the setting
+    `MULTI_TASK_LEVEL` off until `restore_multi_task` (or the transaction's end);
+    returns what it was."""
+    return text(
+        f"SELECT current_setting('{MULTI_TASK_LEVEL}') AS before,"
+        f" set_config('{MULTI_TASK_LEVEL}', 'off', true) AS now"
+    )
+
+
+def restore_multi_task() -> Executable:
+    """Set `MULTI_TASK_LEVEL` back to `:before` for the rest of this transaction."""
+    return text(f"SELECT set_config('{MULTI_TASK_LEVEL}', :before, true)")

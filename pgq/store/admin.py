@@ -32,7 +32,7 @@ from pgq.store.messages import MAX_MESSAGE_ID as MAX_MESSAGE_ID
 from pgq.store.messages import check_error_class as check_error_class
 from pgq.store.messages import check_filter, filter_params, message_side_as_ids
 from pgq.store.messages import check_message_id as check_message_id
-from pgq.store.placement import distributed
+from pgq.store.placement import Spanning, distributed, spanning
 from pgq.store.topics import group_info
 
 MAX_LISTED_IDS = 10_000
@@ -348,7 +348,9 @@ def audit_rows(
     with snapshot(engine) as conn:
         if topic is not None:
             check_name("topic", topic)
-            found = list(conn.execute(q.audit_trail("topic"), {"name": topic, "limit": limit}))
+            with spanning(conn, Spanning.AUDIT_BY_NAME):
+                trail = conn.execute(q.audit_trail("topic"), {"name": topic, "limit": limit})
+                found = list(trail)
             if not found and conn.execute(topic_id(), {"name": topic}).first() is None:
                 raise UnknownTopic(f"unknown topic {topic!r}")
             return found
@@ -356,8 +358,9 @@ def audit_rows(
         try:
             gid = group_info(conn, group).id
         except UnknownGroup:
-            trail = q.audit_trail("group_name")
-            found = list(conn.execute(trail, {"name": group, "limit": max(limit, 1)}))
+            by_name = q.audit_trail("group_name")
+            with spanning(conn, Spanning.AUDIT_BY_NAME):
+                found = list(conn.execute(by_name, {"name": group, "limit": max(limit, 1)}))
             if not found:
                 raise
             return found[:limit]

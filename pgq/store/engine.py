@@ -15,7 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import psycopg
-from sqlalchemy import Connection, Dialect, Engine, create_engine
+from psycopg.adapt import Dumper
+from psycopg.types import numeric
+from sqlalchemy import Connection, Dialect, Engine, create_engine, event
 from sqlalchemy.pool import NullPool
 
 from pgq.errors import BadDsn, ConfigError
@@ -163,6 +165,41 @@ def _connecting_safely(dialect: Dialect) -> None:
     setattr(dialect, "connect", connect_safely)  # noqa: B010 - mypy: a method
 
 
+class _IntDumper(numeric.IntDumper):
+    """psycopg's dumper of `int`, with `integer` (int4) for every value that fits it
+    where psycopg sends a small one as `smallint` (int2)."""
+
+    def upgrade(self, obj: int, format: Any) -> Dumper:
+        if -(2**31) <= obj < 2**31:
+            return self._int4_dumper
+        return super().upgrade(obj, format)
+
+
+class _IntBinaryDumper(numeric.IntBinaryDumper):
+    """`_IntDumper` for the binary format."""
+
+    def upgrade(self, obj: int, format: Any) -> Dumper:
+        if -(2**31) <= obj < 2**31:
+            return self._int4_dumper
+        return super().upgrade(obj, format)
+
+
+def _ints_as_int4(dbapi_connection: Any, _record: Any) -> None:
+    """Send a Python `int` that fits as `integer` on this connection, never `smallint`.
+
+    The statements compare a group id with `group_id = $n::INTEGER` (SQLAlchemy
+    writes the cast): a `smallint` parameter makes that `int4($n)`, a function
+    call, not the parameter itself. Once a statement is prepared (psycopg, after 5
+    runs on a connection) PostgreSQL tries its generic plan (after 5 more), and
+    there Citus cannot prune on a function of a parameter: it ran on every shard
+    (`UPDATE breaker SET next_probe_at = now() + $1 WHERE group_id = $2::INTEGER`
+    from its 11th run, and the open, the failure write; tests/citus/test_generic_plans.py).
+    An `integer` parameter under an `::INTEGER` cast is the parameter: one shard."""
+    adapters = dbapi_connection.adapters
+    adapters.register_dumper(int, _IntDumper)
+    adapters.register_dumper(int, _IntBinaryDumper)
+
+
 def connect(
     dsn: str | None = None,
     *,
@@ -202,6 +239,7 @@ def connect(
     }
     engine = create_engine("postgresql+psycopg://", connect_args=driver_args, **engine_kwargs)
     _connecting_safely(engine.dialect)
+    event.listen(engine, "connect", _ints_as_int4)
     return engine.execution_options(
         schema_translate_map={SCHEMA_PLACEHOLDER: name},
         pgq_conninfo=conninfo,

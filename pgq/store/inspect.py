@@ -23,7 +23,7 @@ from pgq.sql import status as q
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
 from pgq.store.members import lock_holders
-from pgq.store.placement import distributed, nodes_of
+from pgq.store.placement import Spanning, distributed, nodes_of, spanning
 from pgq.store.topics import group_info
 
 
@@ -127,7 +127,7 @@ def group_status_on(
 
 def all_group_status(engine: Engine, member_ttl: float, recent: float | None) -> list[GroupRows]:
     """`group_status` of every group, by name, from one snapshot."""
-    with snapshot(engine) as conn:
+    with snapshot(engine) as conn, spanning(conn, Spanning.GROUPS_OVERVIEW):
         rows = conn.execute(q.all_group_rows()).all()
         probers = _probers(conn, None)
         counts = {r.group_id: r._asdict() for r in conn.execute(q.all_group_counts())}

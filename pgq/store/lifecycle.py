@@ -31,6 +31,7 @@ from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
 from pgq.store.inspect import snapshot
 from pgq.store.members import lock_holders
+from pgq.store.placement import Spanning, spanning
 from pgq.store.topics import group_info
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,9 @@ def topics(engine: Engine) -> Topics:
     """Every topic by name: the messages it retains and its groups (one snapshot)."""
     with snapshot(engine) as conn:
         rows = conn.execute(q.topics_with_groups()).all()
-        counts = {int(r.topic_id): int(r.n) for r in conn.execute(q.messages_by_topic())}
+        with spanning(conn, Spanning.TOPIC_MESSAGE_COUNTS):
+            by_topic = conn.execute(q.messages_by_topic()).all()
+        counts = {int(r.topic_id): int(r.n) for r in by_topic}
     return Topics(
         tuple(
             TopicInfo(

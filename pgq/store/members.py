@@ -8,12 +8,14 @@ The statements of a member's own life (join, heartbeat, leave) are in
 from __future__ import annotations
 
 import datetime as dt
+from contextlib import nullcontext
 from typing import Any
 
 from sqlalchemy import Connection
 
 from pgq.sql import members as member_sql
 from pgq.store.engine import schema_of
+from pgq.store.placement import Spanning, spanning
 
 
 def member_table(conn: Connection) -> str:
@@ -45,7 +47,8 @@ def lock_holders(
         "ttl": dt.timedelta(seconds=ttl or 0),
         "after": dt.timedelta(seconds=after or 0),
     }
-    rows = conn.execute(member_sql.member_names(gid is None, scope), bounds).all()
+    with spanning(conn, Spanning.MEMBERS_OVERVIEW) if gid is None else nullcontext():
+        rows = conn.execute(member_sql.member_names(gid is None, scope), bounds).all()
     params: dict[str, Any] = {"table": member_table(conn)}
     found = (
         conn.execute(

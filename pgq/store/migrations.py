@@ -289,7 +289,8 @@ def _upgrade(conn: Connection, schema: str) -> int:
     for number, description, apply in MIGRATIONS:
         if number <= version:
             continue
-        apply(conn)
+        with placement.spanning(conn, placement.Spanning.UPGRADE):  # every group's rows
+            apply(conn)
         conn.execute(insert(t.schema_version).values(version=number))
         logger.info("migration applied schema=%s version=%d what=%s", schema, number, description)
         version = number

@@ -8,10 +8,12 @@ base. A schema is distributed when its `delivery` table is (`pgq init --distribu
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import enum
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from sqlalchemy import Connection, Engine
 
@@ -134,3 +136,41 @@ def wait_for_commits(conn: Connection, before: dt.datetime, what: str) -> None:
 
 COMMIT_WAIT = 30.0
 """Seconds a subscribe waits for the publishes before it to commit on every node."""
+
+
+class Spanning(enum.Enum):
+    """The statements of pgq that run on several shards of a Citus cluster, by name.
+
+    Everything else pgq sends touches one group's rows (or one topic's messages) and
+    runs as one task on the node that holds them; CI runs the Citus suite with
+    `citus.multi_task_query_log_level = error`, so a statement that would not fails
+    there. These are the exceptions: reports and admin statements that read (or a
+    subscribe, write from) every group or topic at once. Each runs inside
+    `spanning(conn, Spanning.X)`; `tests/unit/test_spanning_names.py` lists them, so one more
+    is a decision, not an accident. The value says why it spans.
+    """
+
+    SUBSCRIBE_BACKFILL = (
+        "a subscribe reads the delays of its topic's messages from every group's rows"
+    )
+    GROUPS_OVERVIEW = "`pgq status` and the dashboard without a group: every group's row and counts"
+    MEMBERS_OVERVIEW = "the members of every group (`pgq status`, the dashboard, `pgq members`)"
+    SAMPLES_OVERVIEW = "the charts of every group (the dashboard's overview)"
+    TOPIC_MESSAGE_COUNTS = "`pgq topics`: how many messages each topic retains"
+    AUDIT_BY_NAME = "the audit trail of a topic, or of a group by name (deleted groups too)"
+    UPGRADE = "a migration of a placed schema rewrites every group's rows once (`pgq init`)"
+
+
+@contextlib.contextmanager
+def spanning(conn: Connection, name: Spanning) -> Iterator[None]:
+    """Run the statements of this block, in `conn`'s transaction, as `name` says: on
+    Citus with `citus.multi_task_query_log_level` off, set back after the block (a
+    block that raises leaves it off to the end of the transaction, which the error
+    ends); on one server nothing changes."""
+    if not distributed(conn):
+        yield
+        return
+    before = conn.execute(place.allow_multi_task()).scalar_one()
+    logger.debug("spanning statement name=%s", name.name)
+    yield
+    conn.execute(place.restore_multi_task(), {"before": before})

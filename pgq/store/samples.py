@@ -16,6 +16,7 @@ from sqlalchemy import Connection, Engine
 from pgq.read_models import GroupSample
 from pgq.sql import samples as q
 from pgq.store.errors import wrap_errors
+from pgq.store.placement import Spanning, spanning
 from pgq.store.topics import group_info
 
 __all__ = [
@@ -84,7 +85,7 @@ def group_samples(engine: Engine, group: str, span: float) -> list[GroupSample]:
 def all_samples(engine: Engine, span: float) -> dict[str, list[GroupSample]]:
     """Every group's samples of the last `span` seconds, by group name, oldest first."""
     found: dict[str, list[GroupSample]] = {}
-    with wrap_errors(), engine.connect() as conn:
+    with wrap_errors(), engine.connect() as conn, spanning(conn, Spanning.SAMPLES_OVERVIEW):
         # rows as plain tuples, in `_COLUMNS`' order: the overview of 500 groups reads
         # 30,000 of them, and mapping each by name cost more than the read
         rows = conn.execute(q.all_samples(), {"span": dt.timedelta(seconds=span)})

@@ -31,6 +31,7 @@ from pgq.store import placement
 from pgq.store.connections import driver_sql
 from pgq.store.engine import schema_of
 from pgq.store.errors import wrap_errors
+from pgq.store.placement import Spanning, spanning
 from pgq.store.privileges import require_privileges
 
 Bind = Engine | Connection
@@ -108,7 +109,8 @@ def subscribe(
         conn.execute(frontier_sql.name_xid_space(), {"gid": group_id})
         conn.execute(q.insert_breaker(), {"gid": group_id})
         if start == "earliest":
-            conn.execute(q.backfill_group(), {"gid": group_id, "topic_id": topic_id})
+            with spanning(conn, Spanning.SUBSCRIBE_BACKFILL):
+                conn.execute(q.backfill_group(), {"gid": group_id, "topic_id": topic_id})
 
 
 def group_info(target: Bind, group: str) -> GroupInfo:

@@ -60,12 +60,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import PGQ
+from helpers import PGQ, across_groups, spans_groups
 from sqlalchemy import Engine, select, text
 
 import pgq
 from pgq import schema as t
-from pgq.store import placement
+from pgq.store import group_info, placement
 
 from .drivers import Published, Record
 from .frontier import FrontierWatch
@@ -318,7 +318,7 @@ def _groups(engine: Engine, topic: str) -> list[str]:
 def _rows(engine: Engine, topic: str) -> dict[str, dict[int, Any]]:
     d, g, tp = t.delivery, t.consumer_group, t.topic
     found: dict[str, dict[int, Any]] = defaultdict(dict)
-    with engine.connect() as conn:
+    with across_groups(engine) as conn:  # every group of the topic
         result = conn.execute(
             select(g.c.name.label("group_name"), d)
             .join(g, g.c.id == d.c.group_id)
@@ -353,6 +353,7 @@ def _orphan_rows_apart(engine: Engine) -> list[tuple[str, int, str]]:
     d, g, m = t.delivery, t.consumer_group, t.message
     with engine.begin() as conn:
         conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        spans_groups(conn)  # every topic's messages, every group's rows
         messages = set(conn.execute(select(m.c.id)).scalars())
         rows = conn.execute(
             select(g.c.name, d.c.message_id, d.c.state)
@@ -364,16 +365,16 @@ def _orphan_rows_apart(engine: Engine) -> list[tuple[str, int, str]]:
 
 def stale_leases(engine: Engine, group: str, member_ttl: float) -> list[str]:
     """Rows of `group` leased past their expiry by a member that is not live."""
-    d, g = t.delivery, t.consumer_group
+    d, gid = t.delivery, group_info(engine, group).id
     live = {
         m["name"] for m in pgq.status(engine, group, member_ttl=member_ttl)["members"] if m["live"]
     }
     with engine.connect() as conn:
         now = conn.exec_driver_sql("SELECT now()").scalar_one()
         leased = conn.execute(
-            select(d.c.message_id, d.c.lease_owner, d.c.lease_expires_at)
-            .join(g, g.c.id == d.c.group_id)
-            .where(g.c.name == group, d.c.state == "leased")
+            select(d.c.message_id, d.c.lease_owner, d.c.lease_expires_at).where(
+                d.c.group_id == gid, d.c.state == "leased"
+            )
         ).all()
     return [
         f"{group} {r.message_id} leased by {r.lease_owner} (not live),"

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import psycopg
-from helpers import CITUS_DSN, citus_marks
+from helpers import CITUS_DSN, across_groups, citus_marks
 from psycopg import sql
 from sqlalchemy import Connection, Engine, text
 
@@ -142,7 +142,7 @@ def expire(engine: Engine, topic_id: int, limit: int = 100) -> int:
 
 
 def messages(engine: Engine) -> list[int]:
-    with engine.connect() as conn:
+    with across_groups(engine) as conn:  # every topic's
         return list(conn.scalars(text(f'SELECT id FROM "{schema_of(engine)}".message ORDER BY id')))
 
 

@@ -24,9 +24,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 import pytest
 from chaos.growth import burn_xids, next_xids, shard_of
-from helpers import citus_marks, store_of
+from helpers import citus_marks, store_of, strict_dsn
+from psycopg import sql as psql
 from sqlalchemy import Engine, text
 
 import pgq
@@ -107,16 +109,18 @@ def cluster() -> Iterator[Cluster]:
 @pytest.fixture
 def moving(cluster: Cluster) -> Iterator[Engine]:
     schema = f"pgq_moves_{os.getpid()}"
-    engine = pgq.connect(cluster.dsn, schema=schema)
+    engine = pgq.connect(strict_dsn(cluster.dsn), schema=schema)
     try:
         pgq.migrate(engine, distributed=True)
         pgq.create_topic(engine, "t")
         pgq.subscribe(engine, "g", "t")
         yield engine
     finally:
-        with engine.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
         engine.dispose()
+        with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+            conn.execute(
+                psql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(psql.Identifier(schema))
+            )
 
 
 def move(engine: Engine, to: tuple[str, int]) -> None:

@@ -17,7 +17,15 @@ from typing import Any
 import psycopg
 import pytest
 from fixtures.released import restore
-from helpers import CITUS_DSN, citus_marks, invoke, store_of
+from helpers import (
+    CITUS_DSN,
+    STRICT_CITUS_DSN,
+    across_groups,
+    citus_marks,
+    citus_owner,
+    invoke,
+    store_of,
+)
 from psycopg import sql
 from sqlalchemy import select
 
@@ -120,7 +128,7 @@ def test_distributing_a_plain_install_keeps_its_rows_and_runs_again(citus_schema
         assert_placed(citus_schema)
         assert pgq.migrate(engine, distributed=True) == LATEST  # nothing left to do
         assert_placed(citus_schema)
-        with psycopg.connect(CITUS_DSN) as conn:
+        with citus_owner() as conn:  # every topic's and group's rows
             counts = conn.execute(
                 sql.SQL(
                     "SELECT (SELECT count(*) FROM {}.message), (SELECT count(*) FROM {}.delivery)"
@@ -218,11 +226,12 @@ def test_a_distributed_version_3_is_upgraded_in_place(citus_schema: str):
             "SELECT create_distributed_table(%s, 'topic_id', colocate_with => 'none')",
             [f"{citus_schema}.message"],
         )
-    engine = pgq.connect(CITUS_DSN, schema=citus_schema, pool_size=None)
+    # the upgrade rewrites every group's rows: one of the named spanning statements
+    engine = pgq.connect(STRICT_CITUS_DSN, schema=citus_schema, pool_size=None)
     try:
         assert pgq.migrate(engine) == LATEST
         assert_placed(citus_schema)
-        with psycopg.connect(CITUS_DSN) as conn:
+        with citus_owner() as conn:  # every group's
             state = conn.execute(
                 sql.SQL(
                     "SELECT committed_id, done_pruned, refunded_total FROM {}.group_state"
@@ -245,14 +254,14 @@ def test_a_distributed_version_9_names_each_groups_space_with_its_worker(citus_s
         pgq.create_topic(engine, "t")
         for group in ("g1", "g2", "g3", "g4"):
             pgq.subscribe(engine, group, "t")
-        with psycopg.connect(CITUS_DSN, autocommit=True) as conn:  # as version 9 left it
+        with citus_owner(autocommit=True) as conn:  # as version 9 left it
             conn.execute(
                 sql.SQL("UPDATE {}.group_state SET committed_xid = '5', committed_id = 3").format(s)
             )
             conn.execute(sql.SQL("ALTER TABLE {}.group_state DROP COLUMN xid_space").format(s))
             conn.execute(sql.SQL("DELETE FROM {}.schema_version WHERE version = 10").format(s))
         assert pgq.migrate(engine) == LATEST
-        with engine.connect() as conn:  # each group's space, as its node computes it now
+        with across_groups(engine) as conn:  # each group's space, as its node computes it
             here = {
                 gid: conn.scalar(
                     select(frontier_sql.SPACE).select_from(gs).where(gs.c.group_id == gid)

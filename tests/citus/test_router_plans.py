@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import CITUS_DSN, citus_marks, wait_until
+from helpers import CITUS_DSN, across_groups, citus_marks, citus_worker_dsn, wait_until
 from psycopg import sql
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
@@ -381,7 +381,7 @@ def test_a_purge_runs_audited_and_counts_the_rows_it_keeps():
             )
         result = purge(engine, "billing", reason="citus")
         assert (result.count, result.kept) == (2, 2)
-        with engine.connect() as conn:
+        with across_groups(engine) as conn:  # every group's
             left = conn.execute(
                 text(f'SELECT message_id, state FROM "{schema}".delivery ORDER BY 1')
             ).all()
@@ -507,7 +507,7 @@ def test_status_names_what_holds_each_groups_frontier_on_its_worker():
             nodes = {gid: port for gid, (_, port) in nodes_of(conn, delivery, gids).items()}
         holders = {}
         for port in sorted(set(nodes.values())):
-            worker = psycopg.connect(CITUS_DSN.replace(":9701/", f":{port}/"))
+            worker = psycopg.connect(citus_worker_dsn(port))
             worker.execute("SELECT pg_current_xact_id()")
             holders[port] = worker
         try:

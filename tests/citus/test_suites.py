@@ -4,8 +4,12 @@ Each test here runs one selection of existing tests in a child pytest, with
 `PGQ_TEST_DSN` set to the coordinator of `$PGQ_CITUS_DSN` and
 `PGQ_TEST_DISTRIBUTED=1`: the database fixtures then give every test a schema of
 its own in the coordinator's database, migrated with
-`pgq.migrate(engine, distributed=True)` (tests/fixtures/database.py). So the
-README's one `pytest` (what `.ci/run` runs) covers the cluster too. A selection
+`pgq.migrate(engine, distributed=True)` (tests/fixtures/database.py), and every
+connection of the child, of the members and of the `pgq` commands it starts refuses
+a statement of several tasks (`citus.multi_task_query_log_level = error`, added to
+the DSN there): a statement of pgq that is not one task fails its test, unless it is
+one of the named `pgq.store.placement.Spanning`. So the README's one `pytest` (what
+`.ci/run` runs) covers the cluster too. A selection
 fails with the tail of the child's output; skipped without `PGQ_CITUS_DSN`.
 
 The selection is of tests about behaviour a user relies on (publish and subscribe,

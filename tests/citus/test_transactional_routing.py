@@ -33,7 +33,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import CITUS_DSN, STRICT_CITUS_DSN, citus_marks
+from helpers import CITUS_DSN, STRICT_CITUS_DSN, across_groups, citus_marks
 from psycopg import sql
 from sqlalchemy import Connection, Engine, text
 
@@ -114,7 +114,7 @@ def check_drained(engine: Engine, schema: str, summary: pgq.RunSummary) -> None:
     assert summary.done == N and summary.retried == 0 and summary.dead == 0, summary
     s = pgq.status(engine, "g")
     assert s["counts"] == {"ready": 0, "leased": 0, "done": N, "dead": 0, "dead_systemic": 0}
-    with engine.connect() as conn:
+    with across_groups(engine) as conn:  # every account's
         effects = conn.execute(
             text(f'SELECT message_id, account FROM "{schema}".effect ORDER BY 1')
         ).all()

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
-from helpers import CITUS_DSN, citus_marks
+from helpers import CITUS_DSN, across_groups, citus_marks, citus_worker_dsn
 from psycopg import sql
 from sqlalchemy import Engine, text
 
@@ -60,7 +60,7 @@ def prepared_on_shard(
             " pg_catalog.get_shard_id_for_distribution_column(%s, %s)",
             [f"{schema}.{table}", value],
         ).fetchone()
-    worker = psycopg.connect(CITUS_DSN.replace(":9701/", f":{port}/"), autocommit=True)
+    worker = psycopg.connect(citus_worker_dsn(port), autocommit=True)
     gid = f"pgq_test_{uuid.uuid4().hex}"
     worker.execute("BEGIN")
     worker.execute(insert.format(shard=shard))
@@ -93,7 +93,7 @@ def test_retention_leaves_a_message_whose_rows_are_still_committing(cluster):
         topic_id = group_info(engine, "g").topic_id
         assert run_once(engine, store.expire_messages, topic_id, 0.0) == 0
         commit_prepared(worker)
-    with engine.connect() as conn:
+    with across_groups(engine) as conn:  # every group's
         rows = conn.execute(text(f'SELECT message_id FROM "{schema}".delivery')).scalars().all()
         messages = conn.execute(text(f'SELECT id FROM "{schema}".message')).scalars().all()
     assert rows == [mid] and messages == [mid]
@@ -157,7 +157,7 @@ def test_a_row_whose_message_is_not_visible_yet_is_put_back_uncharged(cluster):
             ).one()
         assert tuple(row) == ("ready", 0, 0, None, True)
         commit_prepared(worker)
-    with engine.begin() as conn:  # due now
+    with across_groups(engine) as conn:  # due now, by hand, every group's rows
         conn.execute(text(f'UPDATE "{schema}".delivery SET available_at = now()'))
     [claimed] = run_once(engine, store.claim, 10, 0)
     assert (claimed.id, claimed.message.payload) == (LATE, 7)

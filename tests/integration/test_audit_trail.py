@@ -14,7 +14,7 @@ import urllib.parse
 from typing import Any
 
 import pytest
-from helpers import invoke, kill
+from helpers import across_groups, invoke, kill
 from roles import job_role
 from sqlalchemy import Engine, func, select, text
 
@@ -34,7 +34,7 @@ def ok(result: Any) -> str:
 
 
 def count(engine: Engine, table: Any) -> int:
-    with engine.connect() as conn:
+    with across_groups(engine) as conn:  # a test's count, over every group
         return int(conn.execute(select(func.count()).select_from(table)).scalar_one())
 
 

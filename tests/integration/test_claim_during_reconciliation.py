@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from helpers import FAST
+from helpers import FAST, across_groups
 from sqlalchemy import text
 
 import pgq
@@ -13,7 +13,7 @@ from pgq.store import GroupStore, group_info, run_once
 def test_claims_skip_rows_owed_a_refund_until_the_reconciliation_is_done(orders, schema):
     engine = orders
     owed, fresh, old = pgq.publish_many(engine, "orders", [{"n": i} for i in range(3)])
-    with engine.begin() as conn:
+    with across_groups(engine) as conn:  # every group's rows, by hand
         conn.execute(text(f"UPDATE \"{schema}\".breaker SET epoch = 2, state = 'OPEN'"))
         conn.execute(
             text(
@@ -39,7 +39,7 @@ def test_claims_skip_rows_owed_a_refund_until_the_reconciliation_is_done(orders,
 def _dead_systemic(engine, schema: str, n: int, *, open_group: bool) -> list[int]:
     """`n` messages that died of an outage at epoch 1; the group OPEN at epoch 2."""
     ids = pgq.publish_many(engine, "orders", [{"n": i} for i in range(n)])
-    with engine.begin() as conn:
+    with across_groups(engine) as conn:  # every group's rows, by hand
         conn.execute(text(f"UPDATE \"{schema}\".breaker SET epoch = 2, state = 'OPEN'"))
         conn.execute(
             text(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import FAST, JOIN, blocked, open_transaction
+from helpers import FAST, JOIN, across_groups, blocked, open_transaction
 from sqlalchemy import Connection, Engine, func, select, text
 
 import pgq
@@ -31,14 +31,14 @@ def messages(engine: Engine, dedupe_key: str | None = None) -> list[tuple[int, A
     query = select(m.c.id, m.c.payload).order_by(m.c.id)
     if dedupe_key is not None:
         query = query.where(m.c.dedupe_key == dedupe_key)
-    with engine.connect() as conn:
+    with across_groups(engine) as conn:  # every topic's
         return [tuple(row) for row in conn.execute(query)]
 
 
 def delivery_rows(engine: Engine) -> dict[int, int]:
     """Message id -> how many delivery rows it has."""
     d = t.delivery
-    with engine.connect() as conn:
+    with across_groups(engine) as conn:  # every group's
         rows = conn.execute(select(d.c.message_id, func.count()).group_by(d.c.message_id))
         return {int(mid): int(n) for mid, n in rows}
 

@@ -3,7 +3,9 @@
 The group's own statements (claim, outcomes, sweep, close, reconcile) run on the
 real database and write the lines; `pgq.store.history.message_history` reads
 them back as the dashboard's message page shows them. Time is moved by hand: a
-lease expires by writing its expiry into the past.
+lease expires by writing its expiry into the past. Those hand-made changes and the
+counts for the asserts run over every row (`helpers.across_groups`: on Citus, on
+every shard).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import threading
 import urllib.request
 
 import pytest
+from helpers import across_groups
 from sqlalchemy import Engine, func, select, text, update
 
 import pgq
@@ -46,12 +49,12 @@ def fail(engine: Engine, s: GroupStore, claimed: Claimed, kind: str, cls: str | 
 
 
 def set_breaker(engine: Engine, state: str, epoch: int) -> None:
-    with engine.begin() as conn:
+    with across_groups(engine) as conn:
         conn.execute(update(t.breaker).values(state=state, epoch=epoch))
 
 
 def expire_and_sweep(engine: Engine, s: GroupStore) -> None:
-    with engine.begin() as conn:
+    with across_groups(engine) as conn:
         conn.execute(update(t.delivery).values(lease_expires_at=func.now() - text("interval '1s'")))
     run_once(engine, s.sweep)
 
@@ -64,7 +67,7 @@ def test_failures_write_lines_a_success_writes_none(orders):
     first = claim(orders, s)
     assert first.id == mid
     fail(orders, s, first, "retry", "message", seconds=0.25)
-    with orders.begin() as conn:  # due now: the retry's backoff moved by hand
+    with across_groups(orders) as conn:  # due now: the retry's backoff moved by hand
         conn.execute(update(t.delivery).values(available_at=func.now()))
     fail(orders, s, claim(orders, s), "dead", "permanent")
     done = claim(orders, s)
@@ -141,7 +144,7 @@ def test_the_history_keeps_the_newest_lines_in_a_ring(orders):
     found = history(orders, mid)
     assert [x.n for x in found.lines] == list(range(6, total + 1))
     assert (found.lines_written, found.lines_lost) == (total, 5)
-    with orders.connect() as conn:
+    with across_groups(orders) as conn:
         kept = conn.execute(select(func.count()).select_from(t.attempt)).scalar_one()
     assert kept == t.HISTORY_SLOTS
 
@@ -151,7 +154,7 @@ def test_retention_deletes_old_lines_and_unsubscribe_the_group_s(orders):
     s = store(orders)
     fail(orders, s, claim(orders, s), "snooze", None)
     fail(orders, s, claim(orders, s), "snooze", None)
-    with orders.begin() as conn:
+    with across_groups(orders) as conn:
         conn.execute(
             update(t.attempt)
             .where(t.attempt.c.n == 1)
@@ -160,7 +163,7 @@ def test_retention_deletes_old_lines_and_unsubscribe_the_group_s(orders):
     assert run_once(orders, s.expire_history, 86400.0) == 1
     assert [x.n for x in history(orders, mid).lines] == [2]
     pgq.unsubscribe(orders, "billing", reason="test")
-    with orders.connect() as conn:
+    with across_groups(orders) as conn:
         assert conn.execute(select(func.count()).select_from(t.attempt)).scalar_one() == 0
 
 
@@ -175,7 +178,7 @@ def test_a_successful_probe_s_refund_is_a_refunded_line(orders):
     claimed = claim(orders, s)
     set_breaker(orders, "OPEN", 1)
     fail(orders, s, claimed, "retry", "systemic")
-    with orders.begin() as conn:  # the retry's backoff moved by hand
+    with across_groups(orders) as conn:  # the retry's backoff moved by hand
         conn.execute(update(t.delivery).values(available_at=func.now()))
     probe = run_once(orders, s.claim_probe, 1, MAX_REFUNDS, 30.0)
     assert probe is not None and probe.id == mid
@@ -187,7 +190,7 @@ def test_a_successful_probe_s_refund_is_a_refunded_line(orders):
         (AttemptEvent.FAILED, "m", 0, 1, 0),
         (AttemptEvent.REFUNDED, "m", close, 1, 1),  # the probe's own attempt, done
     ]
-    with orders.connect() as conn:
+    with across_groups(orders) as conn:
         events = conn.execute(select(t.delivery.c.events)).scalar_one()
     assert events == 2
 
@@ -213,7 +216,7 @@ def test_a_held_row_whose_lines_retention_took_says_they_are_gone(orders):
     [mid] = pgq.publish_many(orders, "orders", [{"n": 1}])
     s = store(orders)
     fail(orders, s, claim(orders, s), "dead", "permanent")
-    with orders.begin() as conn:
+    with across_groups(orders) as conn:
         conn.execute(update(t.attempt).values(at=func.now() - text("interval '2 days'")))
     assert run_once(orders, s.expire_history, 86400.0) == 1
     found = history(orders, mid)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from helpers import (
     FAST,
+    across_groups,
     assert_usage_error,
     expire_all,
     invoke,
@@ -48,7 +49,7 @@ def ok(result: Any) -> str:
 
 
 def count(engine: Engine, table: Any, **where: Any) -> int:
-    with engine.connect() as conn:
+    with across_groups(engine) as conn:  # a test's count, over every group unless told
         stmt = select(func.count()).select_from(table)
         for column, value in where.items():
             stmt = stmt.where(table.c[column] == value)

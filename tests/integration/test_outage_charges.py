@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+from helpers import across_groups
 from sqlalchemy import Engine, text
 
 import pgq
@@ -25,12 +26,13 @@ def store(engine: Engine, max_reclaims: int) -> GroupStore:
 
 
 def sql(engine: Engine, schema: str, statement: str, **params: object) -> None:
-    with engine.begin() as conn:
+    """A test's own change, by hand, over every group's rows."""
+    with across_groups(engine) as conn:
         conn.execute(text(statement.replace("{s}", f'"{schema}"')), params)
 
 
 def row(engine: Engine, schema: str, mid: int):
-    with engine.connect() as conn:
+    with across_groups(engine) as conn:
         return conn.execute(
             text(f'SELECT * FROM "{schema}".delivery WHERE message_id = :id'), {"id": mid}
         ).one()

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from helpers import FAST, store_of, wait_until
+from helpers import FAST, across_groups, store_of, wait_until
 from sqlalchemy import Connection, Engine, Text, cast, func, select, text, tuple_, update
 
 import pgq
@@ -104,18 +104,14 @@ def message_ids(engine: Engine, topic_id: int | None = None) -> set[int]:
     query = select(m.c.id)
     if topic_id is not None:
         query = query.where(m.c.topic_id == topic_id)
-    with engine.connect() as conn:
+    with across_groups(engine) as conn:  # every topic's, unless one is given
         return set(conn.scalars(query))
 
 
 def row_ids(engine: Engine, group: str) -> set[int]:
-    d, g = t.delivery, t.consumer_group
+    d, gid = t.delivery, group_info(engine, group).id
     with engine.connect() as conn:
-        return set(
-            conn.scalars(
-                select(d.c.message_id).join(g, g.c.id == d.c.group_id).where(g.c.name == group)
-            )
-        )
+        return set(conn.scalars(select(d.c.message_id).where(d.c.group_id == gid)))
 
 
 def subscribe(group: str, topic: str = "orders", barrier: threading.Barrier | None = None) -> Any:
@@ -161,7 +157,8 @@ def test_a_transaction_begun_before_a_subscribe_publishes_to_the_new_group(order
     publish in it afterwards still writes the new group's row."""
     with orders.connect() as conn:
         conn.begin()
-        conn.execute(select(func.count()).select_from(t.message))
+        m = t.message
+        conn.execute(select(func.count()).where(m.c.topic_id == topic_id_of(orders, "orders")))
         pgq.subscribe(orders, "late", "orders", start="earliest")
         mid = pgq.publish(conn, "orders", {"n": 1})
         conn.commit()
@@ -235,7 +232,7 @@ def orphans(engine: Engine) -> list[tuple[int, int, str]]:
     """Delivery rows whose message is gone: (group id, message id, state). Two reads,
     once the race is over (on Citus `delivery` and `message` cannot be joined)."""
     d, m = t.delivery, t.message
-    with engine.connect() as conn:
+    with across_groups(engine) as conn:  # every group's rows, every topic's messages
         rows = conn.execute(select(d.c.group_id, d.c.message_id, d.c.state)).all()
         kept = set(conn.scalars(select(m.c.id)))
     return [(gid, mid, state) for gid, mid, state in rows if mid not in kept]
