@@ -137,6 +137,7 @@ def plans(dsn: str) -> list[tuple[str, str]]:
                 **fence,
                 **{"states": ["ready", "dead"], "charges": [1, 1], "delays": [1.0, 0.0]},
                 **{"classes": ["systemic", "message"], "errors": ["x", "y"], "epochs": [0, 0]},
+                **{"seconds": [0.1, 0.2]},
             },
         ),
         ("lease extension", claim.extend_leases(), fence),
@@ -178,7 +179,7 @@ def plans(dsn: str) -> list[tuple[str, str]]:
                     row[0]
                     for row in conn.exec_driver_sql(
                         "EXPLAIN (COSTS OFF) " + str(compiled),
-                        compiled.construct_params({"gid": 1, **params}),
+                        compiled.construct_params({"gid": 1, "member": "m1", **params}),
                     )
                 ]
                 counts = [line.split(":")[1].strip() for line in lines if "Task Count" in line]
